@@ -1,0 +1,38 @@
+"""Federated methods, one module each; every module registers its class on import."""
+
+from raysim.methods.base import (
+    METHODS,
+    ClientData,
+    EnvSpec,
+    LocalResult,
+    Method,
+    NoOptions,
+    TrainConfig,
+    Upload,
+    register_method,
+)
+
+from raysim.methods import promptfl  # noqa: F401,E402
+
+
+def get_method(name: str) -> type[Method]:
+    return METHODS.get(name)
+
+
+def method_names() -> list[str]:
+    return METHODS.names()
+
+
+__all__ = [
+    "METHODS",
+    "ClientData",
+    "EnvSpec",
+    "LocalResult",
+    "Method",
+    "NoOptions",
+    "TrainConfig",
+    "Upload",
+    "register_method",
+    "get_method",
+    "method_names",
+]

@@ -1,0 +1,42 @@
+"""Pieces several methods share: FedAvg-style weighted means, the CLIP prompt-tuning base, optimisers."""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from raysim.methods.base import EnvSpec, Method, Upload
+
+
+def weighted_mean(uploads: Sequence[Upload], key: str) -> Tensor:
+    """sum_k n_k x_k / sum_k n_k over the uploads (in the order given: client-id order)."""
+    total = float(sum(u.num_samples for u in uploads))
+    out = torch.zeros_like(uploads[0].tensors[key], dtype=torch.float32)
+    for u in uploads:
+        out += u.tensors[key].float() * (u.num_samples / total)
+    return out
+
+
+def sgd(params: Iterable[Tensor], train, **overrides) -> torch.optim.Optimizer:
+    """The prompt-tuning optimiser of SPEC 1.7: SGD with momentum and weight decay, fresh per round."""
+    kw = dict(lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
+    kw.update(overrides)
+    return torch.optim.SGD(list(params), **kw)
+
+
+class ClipPromptMethod(Method):
+    """Base of the CLIP prompt-tuning methods: clients see frozen image features, the env holds the
+    frozen text tower and the CoOp prompts, and logits are s * <v(x), t_c> (SPEC 1.1)."""
+
+    input = "features"
+
+    def build_env(self, spec: EnvSpec, *, role: str):
+        from raysim.models.clip import build_clip_env
+
+        return build_clip_env(spec.model, spec.classnames, self.train.n_ctx, device=spec.device)
+
+    @staticmethod
+    def logits(env, image_features: Tensor, text_features: Tensor) -> Tensor:
+        return env.logit_scale * image_features @ text_features.t()

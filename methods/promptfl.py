@@ -1,0 +1,52 @@
+"""PromptFL (Guo et al.): every client learns the same CoOp context vectors; the server averages them.
+
+Client: CE on s * cos(v(x), t_c(ctx)); DP-SGD (when on) privatises ctx, the only uploaded tensor.
+Server: FedAvg of ctx weighted by the clients' sample counts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from raysim.methods.base import ClientData, LocalResult, register_method
+from raysim.methods.common import ClipPromptMethod, sgd, weighted_mean
+from raysim.sampling import batch_indices
+
+
+@register_method
+class PromptFL(ClipPromptMethod):
+    name = "promptfl"
+    uploads = ("ctx",)
+
+    def init_shared(self, env, rng):
+        ctx = torch.randn(self.train.n_ctx, env.ctx_width, generator=rng) * 0.02
+        return {"ctx": ctx}
+
+    def local_train(self, env, shared, private, data: ClientData, *, rng, privacy) -> LocalResult:
+        ctx = shared["ctx"].clone().to(env.device).requires_grad_(True)
+        opt = sgd([ctx], self.train)
+        x, y = data.x_train.to(env.device), data.y_train.to(env.device)
+        losses = []
+        for _ in range(self.train.local_epochs):
+            for idx in batch_indices(data.num_train, self.train.batch_size, rng):
+                text = env.prompts.text_features(ctx)
+                loss = F.cross_entropy(self.logits(env, x[idx], text), y[idx], reduction="none")
+                opt.zero_grad(set_to_none=True)
+                privacy.backward(loss, dp_params=[ctx])
+                opt.step()
+                losses.append(loss.mean().item())
+        return LocalResult(
+            upload={"ctx": ctx.detach().cpu()},
+            private=private,
+            num_samples=data.num_train,
+            metrics={"loss": sum(losses) / max(1, len(losses))},
+        )
+
+    def aggregate(self, env, shared, uploads, rng):
+        return {"ctx": weighted_mean(uploads, "ctx")}
+
+    def predictor(self, env, shared, private):
+        with torch.no_grad():
+            text = env.prompts.text_features(shared["ctx"].to(env.device))
+        return lambda feats: self.logits(env, feats.to(env.device), text)

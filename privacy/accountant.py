@@ -1,0 +1,191 @@
+"""Noise calibration and privacy accounting.
+
+Two families live here:
+
+* Subsampled-Gaussian accounting for DP-SGD and client-level DP, delegated to Opacus
+  (`get_noise_multiplier`, `RDPAccountant`, `PRVAccountant`) with every default pinned explicitly so
+  an Opacus upgrade cannot silently change a calibration (SPEC 1.6).
+* The non-subsampled Gaussian RDP calibration that the VPDR code uses for prototype releases
+  (SPEC 3.2 item 8): classic Mironov conversion over a fixed grid of orders, bisection on sigma.
+
+Opacus is imported lazily so that `import raysim.privacy` stays cheap.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Iterable, Sequence
+
+from raysim.errors import ConfigError
+
+ACCOUNTANTS = ("rdp", "prv")
+
+# Opacus' RDP default orders, pinned: {1.1, 1.2, ..., 10.9} U {12, ..., 63}.
+RDP_ALPHAS: tuple[float, ...] = tuple([1 + x / 10.0 for x in range(1, 100)] + [float(a) for a in range(12, 64)])
+EPSILON_TOLERANCE = 0.01  # bisection tolerance of get_noise_multiplier (Opacus default)
+PRV_EPS_ERROR = 0.01  # PRV accountant's epsilon error (Opacus default); delta_error = delta / 1000
+
+# Orders of the VPDR prototype-release calibration (SPEC 3.2 item 8).
+GAUSSIAN_ORDERS: tuple[float, ...] = tuple(
+    [round(1 + x / 10.0, 1) for x in range(1, 100)] + [float(a) for a in range(11, 64)] + [128.0, 256.0, 512.0]
+)
+
+
+# --------------------------------------------------------------------------------------------- checks
+def _check_accountant(accountant: str) -> str:
+    if accountant not in ACCOUNTANTS:
+        raise ConfigError(f"unknown accountant {accountant!r}; choose one of {', '.join(ACCOUNTANTS)}")
+    return accountant
+
+
+def _check_delta(delta: float) -> float:
+    try:
+        delta = float(delta)
+    except (TypeError, ValueError):
+        raise ConfigError(f"delta must be a number in (0, 1), got {delta!r}") from None
+    if not (0.0 < delta < 1.0):
+        raise ConfigError(f"delta must lie in (0, 1), got {delta}")
+    return delta
+
+
+def _check_sample_rate(q: float) -> float:
+    try:
+        q = float(q)
+    except (TypeError, ValueError):
+        raise ConfigError(f"sample rate must be a number in (0, 1], got {q!r}") from None
+    if not (0.0 < q <= 1.0):
+        raise ConfigError(f"sample rate must lie in (0, 1] (batch size / dataset size), got {q}")
+    return q
+
+
+def _check_steps(steps: int, what: str = "steps") -> int:
+    if isinstance(steps, bool) or int(steps) != steps:
+        raise ConfigError(f"{what} must be a whole number >= 1, got {steps!r}")
+    steps = int(steps)
+    if steps < 1:
+        raise ConfigError(f"{what} must be >= 1, got {steps}")
+    return steps
+
+
+def _check_epsilon(epsilon: float) -> float:
+    try:
+        epsilon = float(epsilon)
+    except (TypeError, ValueError):
+        raise ConfigError(f"epsilon must be a positive number (or inf), got {epsilon!r}") from None
+    if math.isnan(epsilon) or epsilon <= 0.0:
+        raise ConfigError(f"epsilon must be > 0 (use inf to turn DP off), got {epsilon}")
+    return epsilon
+
+
+# ------------------------------------------------------------------------------- Opacus accountants
+def _epsilon_kwargs(accountant: str) -> dict:
+    if accountant == "rdp":
+        return {"alphas": list(RDP_ALPHAS)}
+    return {"eps_error": PRV_EPS_ERROR}
+
+
+def _make_accountant(accountant: str):
+    from opacus.accountants import PRVAccountant, RDPAccountant
+
+    return RDPAccountant() if accountant == "rdp" else PRVAccountant()
+
+
+def noise_multiplier(*, epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = "rdp") -> float:
+    """Noise multiplier sigma such that `steps` compositions of the sampled Gaussian mechanism at
+    rate `sample_rate` are (epsilon, delta)-DP (Opacus `get_noise_multiplier`, defaults pinned).
+    `epsilon = inf` returns 0.0 (DP off)."""
+    accountant = _check_accountant(accountant)
+    epsilon = _check_epsilon(epsilon)
+    delta = _check_delta(delta)
+    sample_rate = _check_sample_rate(sample_rate)
+    steps = _check_steps(steps)
+    if math.isinf(epsilon):
+        return 0.0
+    from opacus.accountants.utils import get_noise_multiplier
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sigma = get_noise_multiplier(
+                target_epsilon=epsilon,
+                target_delta=delta,
+                sample_rate=sample_rate,
+                steps=steps,
+                accountant=accountant,
+                epsilon_tolerance=EPSILON_TOLERANCE,
+                **_epsilon_kwargs(accountant),
+            )
+    except ValueError as exc:  # "The privacy budget is too low."
+        raise ConfigError(
+            f"cannot reach epsilon={epsilon} at delta={delta} with sample rate {sample_rate} over {steps} steps "
+            f"(Opacus: {exc}); raise epsilon or delta, or take fewer steps"
+        ) from None
+    return float(sigma)
+
+
+def epsilon_spent(history: Sequence[tuple[float, float, int]], *, delta: float, accountant: str = "rdp") -> float:
+    """Epsilon at `delta` of the composition of `history` = [(sigma, sample_rate, steps), ...].
+
+    Entries with 0 steps are ignored; an empty history spends 0; sigma 0 (no noise) spends inf."""
+    accountant = _check_accountant(accountant)
+    delta = _check_delta(delta)
+    hist: list[tuple[float, float, int]] = []
+    for entry in history:
+        try:
+            sigma, q, steps = entry
+        except (TypeError, ValueError):
+            raise ConfigError(f"history entries are (sigma, sample_rate, steps), got {entry!r}") from None
+        if int(steps) == 0:
+            continue
+        steps = _check_steps(steps)
+        q = _check_sample_rate(q)
+        sigma = float(sigma)
+        if math.isnan(sigma) or sigma < 0:
+            raise ConfigError(f"noise multiplier must be >= 0, got {sigma}")
+        if sigma == 0.0:
+            return math.inf
+        hist.append((sigma, q, steps))
+    if not hist:
+        return 0.0
+    acc = _make_accountant(accountant)
+    acc.history = list(hist)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eps = acc.get_epsilon(delta=delta, **_epsilon_kwargs(accountant))
+    eps = float(eps)
+    return math.inf if math.isnan(eps) else eps
+
+
+# ------------------------------------------------------------- non-subsampled Gaussian (VPDR, SPEC 3.2)
+def gaussian_rdp_epsilon(sigma: float, *, delta: float, releases: int, orders: Iterable[float] = GAUSSIAN_ORDERS) -> float:
+    """Epsilon of `releases` compositions of the Gaussian mechanism with multiplier `sigma`
+    (RDP alpha / (2 sigma^2) each), converted with the classic bound rdp + ln(1/delta)/(alpha-1)."""
+    if sigma <= 0:
+        return math.inf
+    log_inv_delta = math.log(1.0 / delta)
+    return min(releases * a / (2.0 * sigma * sigma) + log_inv_delta / (a - 1.0) for a in orders)
+
+
+def gaussian_rdp_sigma(*, epsilon: float, delta: float, releases: int) -> float:
+    """Smallest multiplier (to bisection tolerance 1e-3 on [1e-3, 1e4]) whose `releases`-fold
+    Gaussian composition is (epsilon, delta)-DP under `gaussian_rdp_epsilon` (SPEC 3.2 item 8).
+    `epsilon = inf` returns 0.0."""
+    epsilon = _check_epsilon(epsilon)
+    delta = _check_delta(delta)
+    releases = _check_steps(releases, "releases")
+    if math.isinf(epsilon):
+        return 0.0
+    lo, hi = 1e-3, 1e4
+    if gaussian_rdp_epsilon(hi, delta=delta, releases=releases) > epsilon:
+        raise ConfigError(
+            f"epsilon={epsilon} at delta={delta} over {releases} releases needs a noise multiplier above {hi:g}; "
+            "raise epsilon or delta"
+        )
+    while hi - lo > 1e-3:
+        mid = 0.5 * (lo + hi)
+        if gaussian_rdp_epsilon(mid, delta=delta, releases=releases) <= epsilon:
+            hi = mid
+        else:
+            lo = mid
+    return hi

@@ -1,0 +1,172 @@
+"""DP-SGD on selected tensors, as the FedSEPT code does it (SPEC 1.6).
+
+Per-example gradients come from batched vector-Jacobian products on the per-example loss vector
+(one-hot rows as grad_outputs, `is_grads_batched=True`), `microbatch` rows at a time. They are
+clipped jointly over all privatised tensors, summed, noised with N(0, sigma^2 clip^2) and divided by
+the actual batch size; the result overwrites `.grad`. The other trainable tensors get the plain
+gradient of the mean loss.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from raysim.errors import ConfigError
+
+
+def _zeros_like_batched(p: Tensor, b: int) -> Tensor:
+    return torch.zeros((b, *p.shape), dtype=p.dtype, device=p.device)
+
+
+def _per_sample_loop(per_sample_loss: Tensor, params: Sequence[Tensor], rows: range) -> list[Tensor]:
+    out: list[list[Tensor]] = [[] for _ in params]
+    for i in rows:
+        gs = torch.autograd.grad(per_sample_loss[i], list(params), retain_graph=True, allow_unused=True)
+        for j, (g, p) in enumerate(zip(gs, params)):
+            out[j].append(torch.zeros_like(p) if g is None else g)
+    return [torch.stack(parts) for parts in out]
+
+
+def per_sample_grads(per_sample_loss: Tensor, params: Sequence[Tensor], *, microbatch: int = 8) -> list[Tensor]:
+    """Gradient of every entry of `per_sample_loss` (shape (B,)) w.r.t. every tensor in `params`:
+    a list of tensors of shape (B, *param.shape). The graph is retained."""
+    if per_sample_loss.dim() != 1:
+        raise ValueError(f"per_sample_loss must have shape (B,), got {tuple(per_sample_loss.shape)}")
+    if microbatch < 1:
+        raise ConfigError(f"microbatch must be >= 1, got {microbatch}")
+    params = list(params)
+    b = per_sample_loss.shape[0]
+    if not params:
+        return []
+    if b == 0:
+        return [_zeros_like_batched(p, 0) for p in params]
+    eye = torch.eye(b, dtype=per_sample_loss.dtype, device=per_sample_loss.device)
+    chunks: list[list[Tensor]] = [[] for _ in params]
+    batched_ok = True
+    for start in range(0, b, microbatch):
+        stop = min(b, start + microbatch)
+        gs = None
+        if batched_ok:
+            try:
+                gs = torch.autograd.grad(
+                    per_sample_loss,
+                    params,
+                    grad_outputs=eye[start:stop],
+                    is_grads_batched=True,
+                    retain_graph=True,
+                    allow_unused=True,
+                )
+                gs = [_zeros_like_batched(p, stop - start) if g is None else g for g, p in zip(gs, params)]
+            except (RuntimeError, NotImplementedError):
+                # an op without a batching rule (vmap): fall back to one backward per example
+                batched_ok = False
+                gs = None
+        if gs is None:
+            gs = _per_sample_loop(per_sample_loss, params, range(start, stop))
+        for j, g in enumerate(gs):
+            chunks[j].append(g.detach())
+    return [torch.cat(parts, dim=0) for parts in chunks]
+
+
+def clip_per_sample(grads: list[Tensor], clip: float) -> list[Tensor]:
+    """Scale every example's gradient by min(1, clip / ||g_i||), the norm taken jointly over all tensors."""
+    if not grads:
+        return []
+    b = grads[0].shape[0]
+    sq = torch.zeros(b, dtype=torch.float64, device=grads[0].device)
+    for g in grads:
+        sq = sq + g.reshape(b, -1).double().pow(2).sum(dim=1)
+    norms = sq.sqrt()
+    factor = (float(clip) / norms.clamp_min(1e-12)).clamp(max=1.0)
+    return [g * factor.to(g.dtype).view(b, *([1] * (g.dim() - 1))) for g in grads]
+
+
+def gaussian_noise_like(p: Tensor, std: float, generator: torch.Generator) -> Tensor:
+    """N(0, std^2) noise of p's shape, drawn from `generator` on its device, then moved to p's device."""
+    gen_device = generator.device if generator is not None else torch.device("cpu")
+    z = torch.randn(p.shape, generator=generator, device=gen_device, dtype=torch.float32)
+    return (z * std).to(device=p.device, dtype=p.dtype)
+
+
+def _set_grads(params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
+    for p, g in zip(params, grads):
+        p.grad = torch.zeros_like(p) if g is None else g.detach().to(p.dtype)
+
+
+def _plain_grads(loss: Tensor, params: Sequence[Tensor]) -> None:
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        return
+    gs = torch.autograd.grad(loss, params, retain_graph=False, allow_unused=True)
+    _set_grads(params, gs)
+
+
+class DPSGD:
+    """The DP-SGD privacy handle (implements `methods.base.PrivacyHandle`)."""
+
+    enabled = True
+
+    def __init__(
+        self,
+        *,
+        sigma: float,
+        clip: float,
+        sample_rate: float,
+        generator: torch.Generator,
+        microbatch: int = 8,
+        on_step: Callable[[], None] | None = None,
+    ) -> None:
+        if not (sigma >= 0 and math.isfinite(sigma)):
+            raise ConfigError(f"noise multiplier must be a finite number >= 0, got {sigma}")
+        if not (clip > 0 and math.isfinite(clip)):
+            raise ConfigError(f"clipping norm must be > 0, got {clip}")
+        if not (0 < sample_rate <= 1):
+            raise ConfigError(f"sample rate must lie in (0, 1], got {sample_rate}")
+        if microbatch < 1:
+            raise ConfigError(f"microbatch must be >= 1, got {microbatch}")
+        self.sigma = float(sigma)
+        self.clip = float(clip)
+        self.sample_rate = float(sample_rate)
+        self.generator = generator
+        self.microbatch = int(microbatch)
+        self.on_step = on_step
+        self.steps = 0
+
+    def backward(self, per_sample_loss: Tensor, dp_params: Sequence[Tensor], other_params: Sequence[Tensor] = ()) -> None:
+        dp_params = list(dp_params)
+        b = int(per_sample_loss.shape[0])
+        if b == 0:
+            raise ValueError("DP-SGD step on an empty batch")
+        if dp_params:
+            grads = per_sample_grads(per_sample_loss, dp_params, microbatch=self.microbatch)
+            grads = clip_per_sample(grads, self.clip)
+            std = self.sigma * self.clip
+            for p, g in zip(dp_params, grads):
+                total = g.sum(dim=0)
+                if std > 0:
+                    total = total + gaussian_noise_like(total, std, self.generator)
+                p.grad = (total / b).detach().to(p.dtype)
+        _plain_grads(per_sample_loss.mean(), other_params)
+        self.steps += 1
+        if self.on_step is not None:
+            self.on_step()
+
+
+class NoDP:
+    """The handle when DP is off: plain gradients of the mean loss for every tensor, `.grad` overwritten."""
+
+    enabled = False
+
+    def __init__(self, on_step: Callable[[], None] | None = None) -> None:
+        self.on_step = on_step
+        self.steps = 0
+
+    def backward(self, per_sample_loss: Tensor, dp_params: Sequence[Tensor], other_params: Sequence[Tensor] = ()) -> None:
+        _plain_grads(per_sample_loss.mean(), list(dp_params) + list(other_params))
+        self.steps += 1
+        if self.on_step is not None:
+            self.on_step()

@@ -1,0 +1,125 @@
+"""A per-client record of every privacy-consuming release, and the budget check before each one.
+
+Two kinds of release are composed:
+
+* Gaussian releases `(sigma, sample_rate, steps)`: DP-SGD steps (q = B/n), client-level DP rounds
+  (q = participation) and prototype/embedding releases (q = 1, sigma relative to the sensitivity).
+  All of them are composed together through the ledger's Opacus accountant (RDP or PRV) at the
+  ledger's delta.
+* Releases carrying an explicit `epsilon` (e.g. the pure-DP Laplace top-k partition of VPP, whose
+  sigma is irrelevant): they add to the total by basic sequential composition,
+  (eps1, 0) + (eps2, delta) = (eps1 + eps2, delta).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from raysim.errors import ConfigError, PrivacyBudgetExceeded
+
+from .accountant import _check_accountant, _check_delta, epsilon_spent
+
+
+@dataclass
+class Release:
+    """One privacy-consuming event. `steps` compositions of a Gaussian mechanism with multiplier
+    `sigma` at sampling rate `sample_rate`; or, when `epsilon` is set, a separately analysed release
+    (pure-DP Laplace, ...) costing that epsilon, composed by basic composition."""
+
+    mechanism: str
+    sigma: float
+    sample_rate: float
+    steps: int
+    round: int
+    epsilon: float | None = None
+
+
+class PrivacyLedger:
+    """Releases of one client, with the epsilon they spend at `delta` and a budget `target_epsilon`."""
+
+    def __init__(self, target_epsilon: float, delta: float, accountant: str = "rdp") -> None:
+        target_epsilon = float(target_epsilon)
+        if math.isnan(target_epsilon) or target_epsilon <= 0:
+            raise ConfigError(f"target epsilon must be > 0 (inf for no budget), got {target_epsilon}")
+        self.target_epsilon = target_epsilon
+        self.delta = _check_delta(delta)
+        self.accountant = _check_accountant(accountant)
+        self.releases: list[Release] = []
+        self._cache: float | None = None
+
+    # -- composition ------------------------------------------------------------------------
+    def _compose(self, releases: list[Release]) -> float:
+        pure = 0.0
+        merged: dict[tuple[float, float], int] = {}  # (sigma, q) -> steps; the mechanism name does not change the math
+        for r in releases:
+            if r.epsilon is not None:
+                pure += float(r.epsilon)
+                continue
+            if int(r.steps) <= 0:
+                continue
+            key = (float(r.sigma), float(r.sample_rate))
+            merged[key] = merged.get(key, 0) + int(r.steps)
+        if math.isinf(pure):
+            return math.inf
+        history = [(s, q, n) for (s, q), n in merged.items()]
+        gauss = epsilon_spent(history, delta=self.delta, accountant=self.accountant) if history else 0.0
+        return pure + gauss
+
+    def epsilon(self) -> float:
+        """Epsilon spent so far at the ledger's delta (0 when nothing was released)."""
+        if self._cache is None:
+            self._cache = self._compose(self.releases)
+        return self._cache
+
+    def epsilon_if(self, release: Release) -> float:
+        """Epsilon that would be spent after also making `release`."""
+        return self._compose(self.releases + [release])
+
+    def check(self, release: Release) -> None:
+        """Raise `PrivacyBudgetExceeded` if `release` would take the client past its budget."""
+        if math.isinf(self.target_epsilon):
+            return
+        eps = self.epsilon_if(release)
+        if eps > self.target_epsilon * (1 + 1e-6):
+            raise PrivacyBudgetExceeded(
+                f"{release.mechanism} release in round {release.round} would spend epsilon={eps:.4g} "
+                f"(delta={self.delta:g}), past the target epsilon={self.target_epsilon:g}"
+            )
+
+    def record(self, release: Release) -> None:
+        """Add `release` to the ledger (call `check` first to enforce the budget)."""
+        if not isinstance(release, Release):
+            raise TypeError(f"expected a Release, got {type(release).__name__}")
+        self.releases.append(release)
+        self._cache = None
+
+    def remaining(self) -> float:
+        return self.target_epsilon - self.epsilon()
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target_epsilon": float(self.target_epsilon),
+            "delta": float(self.delta),
+            "accountant": self.accountant,
+            "releases": [
+                {k: (v if v is None or isinstance(v, str) else (int(v) if k in ("steps", "round") else float(v)))
+                 for k, v in asdict(r).items()}
+                for r in self.releases
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PrivacyLedger":
+        ledger = cls(d["target_epsilon"], d["delta"], d.get("accountant", "rdp"))
+        for r in d.get("releases", []):
+            ledger.releases.append(Release(**r))
+        return ledger
+
+    def __repr__(self) -> str:
+        return (
+            f"PrivacyLedger(target_epsilon={self.target_epsilon}, delta={self.delta}, accountant={self.accountant!r}, "
+            f"releases={len(self.releases)})"
+        )

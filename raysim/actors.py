@@ -1,0 +1,308 @@
+"""The two kinds of host: `ClientHost` (home of one or many clients) and `ServerHost`.
+
+They are plain Python classes. The Ray backend wraps them with `ray.remote` (ClientActor, ServerActor);
+the inline backend calls them directly, so both backends run exactly the same code.
+
+A ClientHost holds the method's frozen parts once, and per client: the data slice, the private state,
+the calibrated noise multiplier and the privacy ledger. Private state leaves the host only into the
+client's own checkpoint. What a client uploads is checked against the method's declared `uploads`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from raysim.config import RunConfig
+from raysim.errors import UploadViolation
+from raysim.methods import ClientData, EnvSpec, Method, TrainConfig, Upload, get_method
+from raysim.sampling import generator, schedule
+from raysim.store import StateStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FederationData:
+    """Inputs of every client (features or images), labels, and the partition (numpy, zero-copy in Ray)."""
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    train_idx: list[np.ndarray]
+    test_idx: list[np.ndarray]
+    classnames: list[str]
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.train_idx)
+
+
+@dataclass
+class ClientReport:
+    """What the driver learns of a client's round (never its private state)."""
+
+    client_id: int
+    loss: float
+    bytes_up: int
+    epsilon: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def make_method(cfg: RunConfig) -> Method:
+    cls = get_method(cfg.method)
+    train = TrainConfig(
+        local_epochs=cfg.local_epochs,
+        batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
+        n_ctx=cfg.n_ctx,
+        rounds=cfg.rounds,
+        num_clients=cfg.num_clients,
+        seed=cfg.seed,
+    )
+    return cls(train, cfg.method_options())
+
+
+def env_spec(cfg: RunConfig, classnames: list[str]) -> EnvSpec:
+    from raysim.models.clip import ModelSpec, resolve_device
+
+    return EnvSpec(
+        model=ModelSpec(cfg.model, cfg.pretrained),
+        classnames=list(classnames),
+        device=str(resolve_device(cfg.device)),
+        dataset=cfg.dataset,
+    )
+
+
+def _as_tensor(a: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():  # arrays from Ray's object store are read-only; we never write them
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
+
+
+def check_upload(method: Method, client_id: int, upload: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Only tensors the method declares as shared may leave a client."""
+    allowed = set(method.uploads)
+    extra = sorted(set(upload) - allowed)
+    if extra:
+        raise UploadViolation(
+            f"client {client_id} tried to upload {extra}, which {method.name} does not declare as shared "
+            f"(declared: {sorted(allowed)})"
+        )
+    clean = {}
+    for k, v in upload.items():
+        if not isinstance(v, torch.Tensor):
+            raise UploadViolation(f"client {client_id}: upload {k!r} must be a tensor, got {type(v).__name__}")
+        clean[k] = v.detach().to("cpu", copy=True)
+    return clean
+
+
+class ClientHost:
+    """Hosts a fixed set of clients for the whole run (one Ray actor, or in-process)."""
+
+    def __init__(self, cfg: RunConfig, data: FederationData, client_ids: list[int], out_dir: str, resume_round: int = -1) -> None:
+        torch.set_num_threads(cfg.num_threads)
+        self.cfg = cfg
+        self.method = make_method(cfg)
+        spec = env_spec(cfg, data.classnames)
+        self.device = torch.device(spec.device)
+        self.env = self.method.build_env(spec, role="client")
+        xtr, ytr, xte, yte = (_as_tensor(a) for a in (data.x_train, data.y_train, data.x_test, data.y_test))
+        self.num_classes = len(data.classnames)
+        self.clients = sorted(client_ids)
+        self.data: dict[int, ClientData] = {}
+        for cid in self.clients:
+            tr, te = torch.as_tensor(data.train_idx[cid]), torch.as_tensor(data.test_idx[cid])
+            self.data[cid] = ClientData(cid, xtr[tr], ytr[tr], xte[te], yte[te], self.num_classes)
+        # evaluation inputs: every client's test set, and who owns which row (Cross-Client, SPEC 1.10)
+        self.test_owner = np.full(len(data.y_test), -1, dtype=np.int64)
+        for cid, te in enumerate(data.test_idx):
+            self.test_owner[te] = cid
+        used = self.test_owner >= 0
+        self.eval_x, self.eval_y = xte[torch.as_tensor(used)], yte[torch.as_tensor(used)]
+        self.eval_owner = self.test_owner[used]
+        self.store = StateStore(out_dir)
+        self.private: dict[int, dict[str, Any]] = {}
+        self.ledgers: dict[int, Any] = {}
+        self.sigmas: dict[int, float] = {}
+        self.dirty: set[int] = set()
+        self.participation = self._participation_counts()
+        for cid in self.clients:
+            saved = self.store.load_client(cid, resume_round) if resume_round >= 0 else None
+            if saved is not None:
+                self.private[cid] = saved["private"]
+                self.sigmas[cid] = saved.get("sigma", 0.0)
+                if saved.get("ledger") is not None:
+                    from raysim.privacy.ledger import PrivacyLedger
+
+                    self.ledgers[cid] = PrivacyLedger.from_dict(saved["ledger"])
+
+    def _participation_counts(self) -> dict[int, int]:
+        sched = schedule(self.cfg.seed, self.cfg.rounds, self.cfg.num_clients, self.cfg.participation)
+        counts = {cid: 0 for cid in self.clients}
+        for part in sched:
+            for cid in part:
+                if cid in counts:
+                    counts[cid] += 1
+        return counts
+
+    # -- private state ----------------------------------------------------------------------
+    def _private(self, cid: int) -> dict[str, Any]:
+        if cid not in self.private:
+            self.private[cid] = self.method.init_private(self.env, self.data[cid], generator(self.cfg.seed, "init", cid))
+        return self.private[cid]
+
+    def _privacy(self, cid: int, round_idx: int):
+        """The DP handle of this (round, client): calibrate sigma once, check the budget, count steps."""
+        from raysim.privacy.accountant import noise_multiplier
+        from raysim.privacy.dpsgd import DPSGD, NoDP
+        from raysim.privacy.ledger import PrivacyLedger, Release
+
+        dp = self.cfg.dp
+        if not dp.enabled:
+            return NoDP(), None
+        n = self.data[cid].num_train
+        q = min(1.0, self.cfg.batch_size / n)
+        steps = self.method.dp_steps_per_round(n)
+        if cid not in self.sigmas:
+            rounds = self.participation[cid] if dp.calibration == "participated" else self.cfg.rounds
+            self.sigmas[cid] = noise_multiplier(
+                epsilon=dp.epsilon, delta=dp.delta, sample_rate=q, steps=max(1, rounds * steps), accountant=dp.accountant
+            )
+        ledger = self.ledgers.setdefault(cid, PrivacyLedger(dp.epsilon, dp.delta, dp.accountant))
+        ledger.check(Release("dpsgd", self.sigmas[cid], q, steps, round_idx))
+        counter = {"steps": 0}
+
+        def on_step() -> None:
+            counter["steps"] += 1
+
+        handle = DPSGD(
+            sigma=self.sigmas[cid],
+            clip=dp.clip,
+            sample_rate=q,
+            generator=generator(self.cfg.seed, "dp-noise", round_idx, cid),
+            microbatch=dp.microbatch,
+            on_step=on_step,
+        )
+
+        def finish() -> None:
+            ledger.record(Release("dpsgd", self.sigmas[cid], q, counter["steps"], round_idx))
+
+        return handle, finish
+
+    def epsilon(self, cid: int) -> float:
+        ledger = self.ledgers.get(cid)
+        return float(ledger.epsilon()) if ledger is not None else (0.0 if self.cfg.dp.enabled else math.inf)
+
+    # -- one round --------------------------------------------------------------------------
+    def train(self, round_idx: int, client_ids: list[int], shared: dict[str, torch.Tensor]) -> tuple[list[Upload], list[ClientReport]]:
+        uploads, reports = [], []
+        shared = {k: v.to(self.device) for k, v in shared.items()}
+        for cid in sorted(client_ids):
+            privacy, finish = self._privacy(cid, round_idx)
+            result = self.method.local_train(
+                self.env,
+                shared,
+                self._private(cid),
+                self.data[cid],
+                rng=generator(self.cfg.seed, "train", round_idx, cid),
+                privacy=privacy,
+            )
+            if finish is not None:
+                finish()
+            tensors = check_upload(self.method, cid, result.upload)
+            self.private[cid] = result.private
+            self.dirty.add(cid)
+            up = Upload(cid, tensors, int(result.num_samples), dict(result.metrics))
+            uploads.append(up)
+            reports.append(
+                ClientReport(cid, float(result.metrics.get("loss", math.nan)), up.nbytes(), self.epsilon(cid), dict(result.metrics))
+            )
+        return uploads, reports
+
+    @torch.no_grad()
+    def evaluate(self, shared: dict[str, torch.Tensor], client_ids: Optional[list[int]] = None) -> list[dict[str, Any]]:
+        """In-Client (own test split) and Cross-Client (all other clients' test splits) accuracy."""
+        shared = {k: v.to(self.device) for k, v in shared.items()}
+        out = []
+        bs = self.cfg.test_batch_size
+        for cid in sorted(client_ids if client_ids is not None else self.clients):
+            predict = self.method.predictor(self.env, shared, self._private(cid))
+            correct = torch.cat(
+                [
+                    (predict(self.eval_x[i : i + bs]).argmax(-1).cpu() == self.eval_y[i : i + bs])
+                    for i in range(0, len(self.eval_y), bs)
+                ]
+            ).numpy()
+            own = self.eval_owner == cid
+            n_in, n_cross = int(own.sum()), int((~own).sum())
+            out.append(
+                {
+                    "client": cid,
+                    "in_client": float(correct[own].mean()) if n_in else math.nan,
+                    "cross_client": float(correct[~own].mean()) if n_cross else math.nan,
+                    "n_in": n_in,
+                    "n_cross": n_cross,
+                    "epsilon": self.epsilon(cid),
+                }
+            )
+        return out
+
+    def commit(self, round_idx: int) -> None:
+        """Write the private state of every client that changed this round, then drop stale versions."""
+        for cid in sorted(self.dirty):
+            ledger = self.ledgers.get(cid)
+            self.store.save_client(
+                cid,
+                round_idx,
+                {"private": self.private[cid], "sigma": self.sigmas.get(cid, 0.0), "ledger": ledger.to_dict() if ledger else None},
+            )
+            self.store.prune_client(cid, round_idx - 1)
+        self.dirty.clear()
+
+    def device_info(self) -> dict[str, Any]:
+        return {"device": str(self.device), "clients": self.clients, "cuda": torch.cuda.is_available()}
+
+
+class ServerHost:
+    """Holds the global shared state, aggregates uploads in client-id order, runs server-side training."""
+
+    def __init__(self, cfg: RunConfig, classnames: list[str], out_dir: str, resume_round: int = -1) -> None:
+        torch.set_num_threads(cfg.num_threads)
+        self.cfg = cfg
+        self.method = make_method(cfg)
+        spec = env_spec(cfg, classnames)
+        self.env = self.method.build_env(spec, role="server")
+        self.store = StateStore(out_dir)
+        saved = self.store.load_server(resume_round) if resume_round >= 0 else None
+        if saved is not None:
+            self.shared = saved
+        else:
+            self.shared = {
+                k: v.detach().cpu() for k, v in self.method.init_shared(self.env, generator(cfg.seed, "server-init")).items()
+            }
+
+    def get_shared(self) -> dict[str, torch.Tensor]:
+        return self.shared
+
+    def aggregate(self, round_idx: int, *upload_lists: list[Upload]) -> dict[str, Any]:
+        uploads = sorted((u for lst in upload_lists for u in lst), key=lambda u: u.client_id)
+        for u in uploads:
+            check_upload(self.method, u.client_id, u.tensors)
+        down = sum(t.numel() * t.element_size() for t in self.shared.values()) * len(uploads)
+        if uploads:
+            new = self.method.aggregate(self.env, self.shared, uploads, generator(self.cfg.seed, "server", round_idx))
+            self.shared = {k: v.detach().cpu() for k, v in new.items()}
+        return {"bytes_up": sum(u.nbytes() for u in uploads), "bytes_down": down}
+
+    def commit(self, round_idx: int) -> None:
+        self.store.save_server(round_idx, self.shared)

@@ -1,0 +1,207 @@
+"""The round loop. The engine owns orchestration, sampling, DP accounting, evaluation and I/O; the
+method only fills in its client and server halves (methods/base.py)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from raysim.actors import FederationData
+from raysim.config import RunConfig, build_config, load_yaml
+from raysim.errors import ConfigError
+from raysim.metrics import RunLogger, harmonic_mean, summarize, summary_table
+from raysim.sampling import participants
+from raysim.store import StateStore
+
+log = logging.getLogger(__name__)
+
+# keys that may differ between a run and its resume (they do not change results)
+EXECUTION_KEYS = {
+    "backend", "placement", "num_actors", "client_cpus", "client_gpus", "server_cpus", "server_gpus",
+    "address", "progress", "tensorboard", "resume", "out_dir", "cache_dir", "data_root", "device",
+}
+
+
+@dataclass
+class RunResult:
+    out_dir: Path
+    summary: dict[str, float]
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def table(self) -> str:
+        return summary_table([(self.info.get("method", "method"), self.summary)])
+
+
+def eval_rounds(rounds: int, every: int, last: int) -> set[int]:
+    """Rounds (0-based) after which all clients are evaluated: every `every` rounds plus the last `last`."""
+    return {r for r in range(rounds) if (r + 1) % every == 0 or r >= rounds - last}
+
+
+def prepare_data(cfg: RunConfig, method_input: str, *, progress: bool) -> FederationData:
+    """Load the dataset, partition it, and (for CLIP methods) compute or load frozen image features."""
+    from raysim.data import DATASETS, LoadSpec, PartitionSpec, partition
+    from raysim.data.features import cached_image_features
+    from raysim.models.clip import ModelSpec, image_size_of, load_clip, register_builtin_configs, resolve_device
+
+    register_builtin_configs()
+    import open_clip
+
+    if cfg.model not in open_clip.list_models():
+        load_clip(ModelSpec(cfg.model, cfg.pretrained))  # raises the helpful ConfigError
+    model_cfg = open_clip.get_model_config(cfg.model) or {}
+    size = (model_cfg.get("vision_cfg") or {}).get("image_size", 224)
+    size = int(size[0] if isinstance(size, (list, tuple)) else size)
+    spec = LoadSpec(data_root=cfg.data_root, image_size=size, download=cfg.download, seed=cfg.seed, cache_dir=cfg.cache_dir)
+    bundle = DATASETS.get(cfg.dataset)(spec)
+    pspec = PartitionSpec(
+        train_labels=bundle.train.labels,
+        test_labels=bundle.test.labels,
+        num_clients=cfg.num_clients,
+        seed=cfg.seed,
+        beta=cfg.beta,
+        shots=cfg.shots,
+        min_samples=cfg.min_samples,
+        train_domains=bundle.train.domains,
+        test_domains=bundle.test.domains,
+    )
+    splits = partition(cfg.partition, pspec)
+    if method_input != "features":
+        raise ConfigError(f"method input {method_input!r} is not supported by this engine yet")
+    ms = ModelSpec(cfg.model, cfg.pretrained)
+    xtr, xte = cached_image_features(
+        bundle, model_spec=ms, image_size=size, cache_dir=cfg.cache_dir, device=resolve_device(cfg.device), progress=progress
+    )
+    return FederationData(
+        x_train=xtr.numpy(),
+        y_train=bundle.train.labels.astype(np.int64),
+        x_test=xte.numpy(),
+        y_test=bundle.test.labels.astype(np.int64),
+        train_idx=[s.train for s in splits],
+        test_idx=[s.test for s in splits],
+        classnames=list(bundle.classnames),
+    )
+
+
+def resume_config(run_dir: str | Path, overrides: Optional[dict[str, Any]] = None) -> RunConfig:
+    """The config of the run in `run_dir`, with execution keys (and `rounds`, to extend a run) overridden."""
+    from raysim.config import deep_merge
+
+    run_dir = Path(run_dir).expanduser()
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"resume={run_dir}: no config.yaml there; pass the out_dir of an earlier run")
+    overrides = dict(overrides or {})
+    bad = sorted(k for k in overrides if k not in EXECUTION_KEYS | {"rounds"})
+    saved = load_yaml(run_dir / "config.yaml")
+    bad = [k for k in bad if saved.get(k) != overrides[k]]
+    if bad:
+        raise ConfigError(
+            f"resume: {', '.join(bad)} would change the results of the run being resumed; "
+            f"only these keys may change: rounds, {', '.join(sorted(EXECUTION_KEYS))}"
+        )
+    cfg = build_config(deep_merge(saved, overrides))
+    cfg.resume = cfg.out_dir = str(run_dir)
+    return cfg
+
+
+def resolve_out_dir(cfg: RunConfig) -> tuple[Path, int]:
+    """Where the run writes and the last completed round; never overwrites an existing run."""
+    if cfg.resume:
+        run_dir = Path(cfg.resume).expanduser()
+        saved = resume_config(run_dir).to_dict()
+        for k, v in cfg.to_dict().items():
+            if k not in EXECUTION_KEYS and k != "rounds" and saved.get(k) != v:
+                raise ConfigError(f"resume: {k}={v!r} differs from the resumed run's {saved.get(k)!r}")
+        cfg.out_dir = str(run_dir)
+        return run_dir, StateStore(run_dir).completed_round()
+    out = Path(cfg.out_dir or f"runs/{cfg.method}-{cfg.dataset}-{datetime.now():%Y%m%d-%H%M%S}").expanduser()
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(
+            f"out_dir {out} already holds files; pass resume={out} to continue that run, or choose another out_dir"
+        )
+    cfg.out_dir = str(out)
+    return out, -1
+
+
+def run(cfg: RunConfig, *, on_round: Optional[Callable[[dict[str, Any]], None]] = None) -> RunResult:
+    """Run (or resume) one federation and write its outputs. Returns the paper-format summary."""
+    from raysim.backends import BACKENDS
+    from raysim.actors import make_method
+
+    out_dir, done = resolve_out_dir(cfg)
+    method = make_method(cfg)
+    if done >= cfg.rounds - 1:
+        log.info("run %s already completed %d rounds", out_dir, done + 1)
+    data = prepare_data(cfg, method.input, progress=cfg.progress)  # fails before anything is written
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.yaml").write_text(cfg.to_yaml())
+    hparams = {k: v for k, v in cfg.to_dict().items() if not isinstance(v, dict)}
+    logger = RunLogger(out_dir, tensorboard=cfg.tensorboard, hparams=hparams)
+    logger.resume_at(done)
+    backend = BACKENDS[cfg.backend](cfg, data, str(out_dir), done)
+    info = {"method": cfg.method, **backend.info}
+    if cfg.client_gpus > 0 and "cuda" not in " ".join(info.get("devices", ["cpu"])):
+        log.warning("client_gpus=%s but no GPU is visible: running on CPU", cfg.client_gpus)
+    store = StateStore(out_dir)
+    evals = eval_rounds(cfg.rounds, cfg.eval_every, cfg.eval_last)
+    rows: list[dict[str, Any]] = []
+    bar = None
+    if cfg.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.rounds, initial=done + 1, desc=f"{cfg.method} rounds", unit="round")
+    try:
+        for r in range(done + 1, cfg.rounds):
+            t0 = time.perf_counter()
+            part = participants(cfg.seed, r, cfg.num_clients, cfg.participation)
+            reports, stats = backend.train_round(r, part)
+            client_rows: list[dict[str, Any]] = []
+            acc_in = acc_cross = hm = math.nan
+            if r in evals:
+                client_rows = [{"round": r, **row} for row in backend.evaluate()]
+                acc_in = float(np.nanmean([c["in_client"] for c in client_rows]))
+                acc_cross = float(np.nanmean([c["cross_client"] for c in client_rows]))
+                hm = harmonic_mean(acc_in, acc_cross)
+            backend.commit(r)
+            losses = [x.loss for x in reports if math.isfinite(x.loss)]
+            eps = [x.epsilon for x in reports]
+            row = {
+                "round": r,
+                "in_client": acc_in,
+                "cross_client": acc_cross,
+                "hm": hm,
+                "train_loss": float(np.mean(losses)) if losses else math.nan,
+                "bytes_up": int(stats["bytes_up"]),
+                "bytes_down": int(stats["bytes_down"]),
+                "epsilon_max": float(max(eps)) if eps and all(math.isfinite(e) for e in eps) else math.nan,
+                "participants": len(part),
+                "seconds": time.perf_counter() - t0,
+            }
+            logger.log_round(row, client_rows)
+            store.mark_complete(r)
+            rows.append(row)
+            if on_round is not None:
+                on_round(row)
+            if bar is not None:
+                bar.update(1)
+                if math.isfinite(hm):
+                    bar.set_postfix(inn=f"{acc_in:.3f}", cross=f"{acc_cross:.3f}", hm=f"{hm:.3f}")
+    finally:
+        if bar is not None:
+            bar.close()
+        backend.shutdown()
+    summary = summarize(out_dir / "results.csv", last=max(1, cfg.eval_last))
+    logger.close(final_metrics=summary, hparams=hparams)
+    result = RunResult(out_dir, summary, rows, info)
+    (out_dir / "summary.md").write_text(
+        summary_table([(cfg.method, summary)], title=f"{cfg.method} on {cfg.dataset} ({cfg.partition}, {cfg.num_clients} clients)")
+        + f"\nMean of the last {int(summary.get('rounds_averaged', 0))} evaluated rounds; accuracies in %.\n"
+    )
+    return result

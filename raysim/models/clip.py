@@ -1,0 +1,263 @@
+"""CLIP through open_clip: loading (pretrained tags, local checkpoints, tiny configs), frozen image
+features, and a text tower that accepts learned prompt embeddings (CoOp, SPEC 1.1)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from raysim.errors import ConfigError, DataError
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+_registered = False
+log = logging.getLogger(__name__)
+
+
+def register_builtin_configs() -> None:
+    """Make raysim's own model configs (raysim-tiny, ...) known to open_clip."""
+    global _registered
+    if not _registered:
+        import open_clip
+
+        open_clip.add_model_config(CONFIG_DIR)
+        _registered = True
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which CLIP to build. `pretrained`: "" (random init, seeded), an open_clip tag, or a file path."""
+
+    model: str = "raysim-tiny"
+    pretrained: str = ""
+    init_seed: int = 0
+
+    def key(self) -> str:
+        p = self.pretrained
+        if p and Path(p).expanduser().is_file():
+            st = Path(p).expanduser().stat()
+            p = f"{Path(p).expanduser().resolve()}:{st.st_size}:{int(st.st_mtime)}"
+        return f"{self.model}|{p or f'random{self.init_seed}'}"
+
+
+def load_clip(spec: ModelSpec, device: str | torch.device = "cpu") -> nn.Module:
+    """Build an open_clip model in fp32, frozen and in eval mode."""
+    import open_clip
+
+    register_builtin_configs()
+    if spec.model not in open_clip.list_models():
+        import difflib
+
+        hint = difflib.get_close_matches(spec.model, open_clip.list_models(), n=3)
+        raise ConfigError(
+            f"unknown model {spec.model!r} (an open_clip model name). "
+            + (f"Close matches: {', '.join(hint)}. " if hint else "")
+            + "Use raysim-tiny for a small random model, or e.g. ViT-B-16."
+        )
+    pretrained = spec.pretrained or None
+    if pretrained:
+        path = Path(pretrained).expanduser()
+        if path.is_file():
+            pretrained = str(path)
+        elif any(c in pretrained for c in "/\\") or path.suffix in (".pt", ".pth", ".bin", ".safetensors"):
+            raise DataError(f"pretrained checkpoint {pretrained!r} does not exist")
+        else:
+            tags = open_clip.list_pretrained_tags_by_model(spec.model)
+            if pretrained not in tags:
+                raise ConfigError(
+                    f"{spec.model} has no pretrained tag {pretrained!r}; open_clip knows: {', '.join(tags) or 'none'}. "
+                    "Or pass a local checkpoint path."
+                )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.init_seed)
+        try:
+            previous = logging.root.manager.disable
+            if not pretrained:  # open_clip warns that a random init is random; that is what was asked for
+                logging.disable(logging.WARNING)
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    model = open_clip.create_model(spec.model, pretrained=pretrained, device="cpu", precision="fp32")
+            finally:
+                logging.disable(previous)
+        except (RuntimeError, OSError) as e:  # offline hub, corrupt file
+            if pretrained and not Path(pretrained).is_file():
+                raise DataError(
+                    f"could not load open_clip weights {spec.model}/{pretrained} ({e.__class__.__name__}: {e}). "
+                    "Without internet, download the checkpoint elsewhere and pass pretrained=/path/to/file.pt."
+                ) from None
+            raise
+    model.eval().requires_grad_(False)
+    return model.to(device)
+
+
+def image_size_of(model: nn.Module) -> int:
+    size = getattr(model.visual, "image_size", 224)
+    return int(size[0] if isinstance(size, (tuple, list)) else size)
+
+
+@torch.no_grad()
+def encode_images(model: nn.Module, dataset: torch.utils.data.Dataset, *, batch_size: int = 256, device: str = "cpu",
+                  progress: bool = False, desc: str = "image features") -> Tensor:
+    """L2-normalised image features of every item of `dataset` (frozen tower, eval mode)."""
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0)
+    out = []
+    it = loader
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(loader, desc=desc, leave=False)
+    for x in it:
+        if isinstance(x, (tuple, list)):
+            x = x[0]
+        out.append(F.normalize(model.encode_image(x.to(device)).float(), dim=-1).cpu())
+    return torch.cat(out) if out else torch.zeros(0, 0)
+
+
+class TextTower(nn.Module):
+    """The frozen text side of an open_clip CLIP, fed with token *embeddings* so prompts can be learned.
+
+    Because the attention is causal, the feature at the end-of-text token depends only on positions up
+    to it, so sequences are cut after the last EOT of the batch (same result, far less compute)."""
+
+    def __init__(self, clip: nn.Module, model_name: str) -> None:
+        super().__init__()
+        import open_clip
+
+        if not hasattr(clip, "token_embedding"):
+            raise ConfigError(
+                f"{model_name} has a Hugging Face text tower; prompt learning needs an open_clip text transformer"
+            )
+        self.token_embedding = clip.token_embedding
+        self.positional_embedding = clip.positional_embedding
+        self.transformer = clip.transformer
+        self.ln_final = clip.ln_final
+        self.text_projection = clip.text_projection
+        self.register_buffer("attn_mask", clip.attn_mask, persistent=False)
+        self.pool_type = getattr(clip, "text_pool_type", "argmax")
+        self.tokenizer = open_clip.get_tokenizer(model_name)
+        self.width = int(self.token_embedding.weight.shape[1])
+        self.embed_dim = int(
+            self.text_projection.weight.shape[0] if isinstance(self.text_projection, nn.Linear) else self.text_projection.shape[1]
+        )
+        self.logit_scale = float(clip.logit_scale.exp().item())
+        self.requires_grad_(False)
+        self.eval()
+
+    def tokenize(self, texts: Sequence[str]) -> Tensor:
+        return self.tokenizer(list(texts))
+
+    @torch.no_grad()
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        return self.token_embedding(tokens.to(self.token_embedding.weight.device))
+
+    def eot_index(self, tokens: Tensor) -> Tensor:
+        if self.pool_type != "argmax":
+            raise ConfigError(f"text pooling {self.pool_type!r} is not supported by the prompt learner")
+        return tokens.argmax(dim=-1)
+
+    def forward(self, embeds: Tensor, eot: Tensor) -> Tensor:
+        """embeds: (N, T, width) token embeddings; eot: (N,) EOT positions -> (N, embed_dim) features."""
+        t = int(eot.max().item()) + 1
+        x = embeds[:, :t] + self.positional_embedding[:t].to(embeds.dtype)
+        mask = self.attn_mask[:t, :t] if self.attn_mask is not None else None
+        x = self.transformer(x, attn_mask=mask)
+        x = self.ln_final(x)
+        x = x[torch.arange(x.shape[0], device=x.device), eot.to(x.device)]
+        if isinstance(self.text_projection, nn.Linear):
+            return self.text_projection(x)
+        return x @ self.text_projection
+
+    def encode_texts(self, texts: Sequence[str]) -> Tensor:
+        tokens = self.tokenize(texts)
+        return F.normalize(self(self.embed_tokens(tokens), self.eot_index(tokens)), dim=-1)
+
+
+class CoOpPrompts(nn.Module):
+    """CoOp prompts "X X ... X <classname>." with the L placeholder embeddings replaced by learned
+    context vectors (SPEC 1.1: end position, underscores to spaces). Holds the frozen prefix (SOT)
+    and suffix (class tokens, ".", EOT, padding) per class."""
+
+    def __init__(self, tower: TextTower, classnames: Sequence[str], n_ctx: int) -> None:
+        super().__init__()
+        self.tower = tower
+        self.n_ctx = n_ctx
+        names = [c.replace("_", " ") for c in classnames]
+        tokens = tower.tokenize([" ".join(["X"] * n_ctx) + " " + n + "." for n in names])
+        emb = tower.embed_tokens(tokens)
+        self.register_buffer("prefix", emb[:, :1].clone(), persistent=False)
+        self.register_buffer("suffix", emb[:, 1 + n_ctx :].clone(), persistent=False)
+        self.register_buffer("eot", tower.eot_index(tokens), persistent=False)
+        self.register_buffer("placeholder", emb[:, 1 : 1 + n_ctx].clone(), persistent=False)
+        self.num_classes = len(names)
+
+    def embeddings(self, ctx: Tensor) -> Tensor:
+        """ctx: (L, w) shared, (C, L, w) class-specific, or (..., L, w) / (..., C, L, w) stacked
+        -> (..., C, T, w) full prompt embeddings."""
+        C = self.num_classes
+        if ctx.dim() == 2:
+            ctx = ctx.unsqueeze(0).expand(C, -1, -1)
+        elif ctx.shape[-3] != C:
+            ctx = ctx.unsqueeze(-3).expand(*ctx.shape[:-2], C, *ctx.shape[-2:])
+        lead = ctx.shape[:-3]
+        prefix = self.prefix.expand(*lead, *self.prefix.shape)
+        suffix = self.suffix.expand(*lead, *self.suffix.shape)
+        return torch.cat([prefix, ctx.to(self.prefix.dtype), suffix], dim=-2)
+
+    def text_features(self, ctx: Tensor, normalize: bool = True) -> Tensor:
+        """(..., C, embed_dim) text features of every class for the given context vectors."""
+        emb = self.embeddings(ctx)
+        lead = emb.shape[:-3]
+        flat = emb.reshape(-1, *emb.shape[-2:])
+        eot = self.eot.repeat(flat.shape[0] // self.num_classes)
+        out = self.tower(flat, eot).reshape(*lead, self.num_classes, -1)
+        return F.normalize(out, dim=-1) if normalize else out
+
+    def plain_text_features(self) -> Tensor:
+        """Text features of the untouched "X X ... X class." prompts (no learned context)."""
+        with torch.no_grad():
+            return self.text_features(self.placeholder)
+
+
+@dataclass
+class ClipEnv:
+    """What a CLIP prompt-tuning method needs on a host: the frozen text tower and the prompts."""
+
+    tower: TextTower
+    prompts: CoOpPrompts
+    classnames: list[str]
+    logit_scale: float
+    device: torch.device
+    feature_dim: int
+
+    @property
+    def ctx_width(self) -> int:
+        return self.tower.width
+
+
+def build_clip_env(spec: ModelSpec, classnames: Sequence[str], n_ctx: int, device: str | torch.device = "cpu") -> ClipEnv:
+    clip = load_clip(spec, device="cpu")
+    tower = TextTower(clip, spec.model).to(device)
+    prompts = CoOpPrompts(tower, classnames, n_ctx).to(device)
+    return ClipEnv(
+        tower=tower,
+        prompts=prompts,
+        classnames=list(classnames),
+        logit_scale=tower.logit_scale,
+        device=torch.device(device),
+        feature_dim=tower.embed_dim,
+    )
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no GPU is visible here; use device=auto or device=cpu")
+    return torch.device(device)

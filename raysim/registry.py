@@ -1,0 +1,47 @@
+"""Named registries for methods, datasets, partitioners, mechanisms and models."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Callable, Generic, Iterator, TypeVar
+
+from raysim.errors import ConfigError
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """A name -> object table whose lookups fail with the list of valid names."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._items: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        def deco(obj: T) -> T:
+            key = name.lower()
+            if key in self._items and self._items[key] is not obj:
+                raise ValueError(f"{self.kind} {name!r} is registered twice")
+            self._items[key] = obj
+            return obj
+
+        return deco
+
+    def get(self, name: str) -> T:
+        key = str(name).lower()
+        if key not in self._items:
+            hint = difflib.get_close_matches(key, self._items, n=1)
+            extra = f" Did you mean {hint[0]!r}?" if hint else ""
+            raise ConfigError(
+                f"unknown {self.kind} {name!r}.{extra} Valid choices: {', '.join(sorted(self._items))}."
+            )
+        return self._items[key]
+
+    def __contains__(self, name: object) -> bool:
+        return str(name).lower() in self._items
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._items))
+
+    def names(self) -> list[str]:
+        return sorted(self._items)

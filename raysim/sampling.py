@@ -1,0 +1,59 @@
+"""Who takes part in each round, and the random streams each (round, client) gets.
+
+Everything here is a pure function of the run seed, so the same seed gives the same clients, the
+same batches and the same noise whatever the backend, the number of actors, or a resume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterator
+
+import numpy as np
+import torch
+
+
+def participants(seed: int, round_idx: int, num_clients: int, participation: float) -> list[int]:
+    """Clients of a round: all of them at participation 1, else floor(frac*K) drawn without
+    replacement by numpy.default_rng(seed + round), sorted (the official FedSEPT code's rule)."""
+    if participation >= 1.0:
+        return list(range(num_clients))
+    m = max(1, int(np.floor(participation * num_clients)))
+    rng = np.random.default_rng(seed + round_idx)
+    return sorted(int(c) for c in rng.choice(num_clients, size=m, replace=False))
+
+
+def schedule(seed: int, rounds: int, num_clients: int, participation: float) -> list[list[int]]:
+    return [participants(seed, r, num_clients, participation) for r in range(rounds)]
+
+
+def _stream_key(*parts: object) -> list[int]:
+    h = hashlib.sha256(repr(parts).encode()).digest()
+    return [int.from_bytes(h[i : i + 4], "little") for i in range(0, 16, 4)]
+
+
+def stream_seed(seed: int, *parts: object) -> int:
+    """A 63-bit seed for the named stream, e.g. stream_seed(seed, "train", round, client)."""
+    ss = np.random.SeedSequence([seed, *_stream_key(*parts)])
+    return int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
+
+
+def generator(seed: int, *parts: object) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(stream_seed(seed, *parts))
+    return g
+
+
+def batches_per_epoch(n: int, batch_size: int) -> int:
+    """Batches in one local epoch: drop_last when n >= B (the official loaders), else one batch."""
+    return n // batch_size if n >= batch_size else 1
+
+
+def batch_indices(n: int, batch_size: int, rng: torch.Generator) -> Iterator[torch.Tensor]:
+    """Shuffled mini-batches of one epoch, drop_last when n >= B."""
+    perm = torch.randperm(n, generator=rng)
+    if n < batch_size:
+        yield perm
+        return
+    for i in range(batches_per_epoch(n, batch_size)):
+        yield perm[i * batch_size : (i + 1) * batch_size]
