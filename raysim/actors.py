@@ -237,19 +237,27 @@ class ClientHost:
         bs = self.cfg.test_batch_size
         for cid in sorted(client_ids if client_ids is not None else self.clients):
             predict = self.method.predictor(self.env, shared, self._private(cid))
-            correct = torch.cat(
-                [
-                    (predict(self.eval_x[i : i + bs]).argmax(-1).cpu() == self.eval_y[i : i + bs])
-                    for i in range(0, len(self.eval_y), bs)
-                ]
-            ).numpy()
+            top1, top5 = [], []
+            for i in range(0, len(self.eval_y), bs):
+                logits = predict(self.eval_x[i : i + bs]).float().cpu()
+                y = self.eval_y[i : i + bs]
+                top1.append(logits.argmax(-1) == y)
+                k = min(5, logits.shape[-1])
+                top5.append((logits.topk(k, dim=-1).indices == y[:, None]).any(-1))
+            correct, correct5 = torch.cat(top1).numpy(), torch.cat(top5).numpy()
             own = self.eval_owner == cid
             n_in, n_cross = int(own.sum()), int((~own).sum())
+
+            def acc(mask: np.ndarray, hits: np.ndarray) -> float:
+                return float(hits[mask].mean()) if mask.any() else math.nan
+
             out.append(
                 {
                     "client": cid,
-                    "in_client": float(correct[own].mean()) if n_in else math.nan,
-                    "cross_client": float(correct[~own].mean()) if n_cross else math.nan,
+                    "in_client": acc(own, correct),
+                    "cross_client": acc(~own, correct),
+                    "in_top5": acc(own, correct5),
+                    "cross_top5": acc(~own, correct5),
                     "n_in": n_in,
                     "n_cross": n_cross,
                     "epsilon": self.epsilon(cid),

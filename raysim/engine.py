@@ -45,7 +45,7 @@ def eval_rounds(rounds: int, every: int, last: int) -> set[int]:
     return {r for r in range(rounds) if (r + 1) % every == 0 or r >= rounds - last}
 
 
-def prepare_data(cfg: RunConfig, method_input: str, *, progress: bool) -> FederationData:
+def prepare_data(cfg: RunConfig, method_input: str, *, progress: bool, image_size: int = 0) -> FederationData:
     """Load the dataset, partition it, and (for CLIP methods) compute or load frozen image features."""
     from raysim.data import DATASETS, LoadSpec, PartitionSpec, partition
     from raysim.data.features import cached_image_features
@@ -59,6 +59,8 @@ def prepare_data(cfg: RunConfig, method_input: str, *, progress: bool) -> Federa
     model_cfg = open_clip.get_model_config(cfg.model) or {}
     size = (model_cfg.get("vision_cfg") or {}).get("image_size", 224)
     size = int(size[0] if isinstance(size, (list, tuple)) else size)
+    if method_input == "images" and image_size:
+        size = image_size  # methods that train their own image models pick their input size
     spec = LoadSpec(data_root=cfg.data_root, image_size=size, download=cfg.download, seed=cfg.seed, cache_dir=cfg.cache_dir)
     bundle = DATASETS.get(cfg.dataset)(spec)
     pspec = PartitionSpec(
@@ -73,14 +75,17 @@ def prepare_data(cfg: RunConfig, method_input: str, *, progress: bool) -> Federa
         test_domains=bundle.test.domains,
     )
     splits = partition(cfg.partition, pspec)
-    if method_input != "features":
-        raise ConfigError(f"method input {method_input!r} is not supported by this engine yet")
-    ms = ModelSpec(cfg.model, cfg.pretrained)
-    xtr, xte = cached_image_features(
-        bundle, model_spec=ms, image_size=size, cache_dir=cfg.cache_dir, device=resolve_device(cfg.device), progress=progress
-    )
+    if method_input == "features":
+        xtr, xte = cached_image_features(
+            bundle, model_spec=ModelSpec(cfg.model, cfg.pretrained), image_size=size, cache_dir=cfg.cache_dir,
+            device=resolve_device(cfg.device), progress=progress,
+        )
+    elif method_input == "images":
+        xtr, xte = materialize_images(bundle.train.images), materialize_images(bundle.test.images)
+    else:
+        raise ConfigError(f"method input {method_input!r} is not supported (features or images)")
     return FederationData(
-        x_train=xtr.numpy(),
+        x_train=xtr.numpy(),  # features (N, D) or images (N, 3, S, S)
         y_train=bundle.train.labels.astype(np.int64),
         x_test=xte.numpy(),
         y_test=bundle.test.labels.astype(np.int64),
@@ -88,6 +93,14 @@ def prepare_data(cfg: RunConfig, method_input: str, *, progress: bool) -> Federa
         test_idx=[s.test for s in splits],
         classnames=list(bundle.classnames),
     )
+
+
+def materialize_images(images) -> "torch.Tensor":
+    """All images of a (small) dataset as one float tensor, for methods that train image models."""
+    import torch
+
+    loader = torch.utils.data.DataLoader(images, batch_size=512, shuffle=False)
+    return torch.cat([b[0] if isinstance(b, (list, tuple)) else b for b in loader])
 
 
 def resume_config(run_dir: str | Path, overrides: Optional[dict[str, Any]] = None) -> RunConfig:
@@ -139,7 +152,8 @@ def run(cfg: RunConfig, *, on_round: Optional[Callable[[dict[str, Any]], None]] 
     method = make_method(cfg)
     if done >= cfg.rounds - 1:
         log.info("run %s already completed %d rounds", out_dir, done + 1)
-    data = prepare_data(cfg, method.input, progress=cfg.progress)  # fails before anything is written
+    data = prepare_data(cfg, method.input, progress=cfg.progress, image_size=getattr(method, "image_size", 0))
+    # (fails before anything is written)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(cfg.to_yaml())
     hparams = {k: v for k, v in cfg.to_dict().items() if not isinstance(v, dict)}

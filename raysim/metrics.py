@@ -21,7 +21,7 @@ ROUND_COLUMNS = [
     "participants",
     "seconds",
 ]
-CLIENT_COLUMNS = ["round", "client", "in_client", "cross_client", "n_in", "n_cross", "epsilon"]
+CLIENT_COLUMNS = ["round", "client", "in_client", "cross_client", "in_top5", "cross_top5", "n_in", "n_cross", "epsilon"]
 TIMING_COLUMNS = ("seconds",)
 
 
