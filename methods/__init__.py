@@ -13,6 +13,7 @@ from raysim.methods.base import (
 )
 
 from raysim.methods import promptfl  # noqa: F401,E402
+from raysim.methods import fedsept  # noqa: F401,E402
 
 
 def get_method(name: str) -> type[Method]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from functools import lru_cache
 from typing import Iterable, Sequence
 
 from raysim.errors import ConfigError
@@ -60,7 +61,11 @@ def _check_sample_rate(q: float) -> float:
 
 
 def _check_steps(steps: int, what: str = "steps") -> int:
-    if isinstance(steps, bool) or int(steps) != steps:
+    try:
+        whole = not isinstance(steps, bool) and int(steps) == steps
+    except (TypeError, ValueError, OverflowError):
+        whole = False
+    if not whole:
         raise ConfigError(f"{what} must be a whole number >= 1, got {steps!r}")
     steps = int(steps)
     if steps < 1:
@@ -102,6 +107,11 @@ def noise_multiplier(*, epsilon: float, delta: float, sample_rate: float, steps:
     steps = _check_steps(steps)
     if math.isinf(epsilon):
         return 0.0
+    return _noise_multiplier_cached(epsilon, delta, sample_rate, steps, accountant)
+
+
+@lru_cache(maxsize=1024)
+def _noise_multiplier_cached(epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float:
     from opacus.accountants.utils import get_noise_multiplier
 
     try:

@@ -29,7 +29,7 @@ def _randn(shape: tuple[int, ...], generator: torch.Generator | None, like: Tens
     return torch.randn(shape, generator=generator, device=dev, dtype=torch.float64).to(device=like.device)
 
 
-def _laplace(n: int, scale: float, generator: torch.Generator | None, device: torch.device) -> Tensor:
+def laplace_noise(n: int, scale: float, generator: torch.Generator | None, device: torch.device) -> Tensor:
     """Laplace(0, scale) as scale * (E1 - E2) with E ~ Exp(1) from uniforms in [0, 1)."""
     dev = generator.device if generator is not None else torch.device("cpu")
     u = torch.rand((2, n), generator=generator, device=dev, dtype=torch.float64)
@@ -171,7 +171,7 @@ def private_topk_partition(
     lam = topk_laplace_scale(k=int(k), H=H, epsilon1=epsilon1, rounds=int(rounds))
     noisy = scores.detach().double().clamp(0.0, H)
     if lam > 0:
-        noisy = noisy + _laplace(d, lam, generator, noisy.device)
+        noisy = noisy + laplace_noise(d, lam, generator, noisy.device)
     top = torch.topk(noisy, int(k)).indices
     mask = torch.zeros(d, dtype=torch.bool, device=scores.device)
     mask[top.to(scores.device)] = True

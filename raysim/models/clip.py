@@ -197,22 +197,22 @@ class CoOpPrompts(nn.Module):
         self.register_buffer("placeholder", emb[:, 1 : 1 + n_ctx].clone(), persistent=False)
         self.num_classes = len(names)
 
-    def embeddings(self, ctx: Tensor) -> Tensor:
-        """ctx: (L, w) shared, (C, L, w) class-specific, or (..., L, w) / (..., C, L, w) stacked
-        -> (..., C, T, w) full prompt embeddings."""
+    def embeddings(self, ctx: Tensor, per_class: bool = False) -> Tensor:
+        """Full prompt embeddings (..., C, T, w) from context vectors: shared across classes, ctx of shape
+        (..., L, w) (one context, or M stacked ones); or class-specific with per_class=True, (..., C, L, w)."""
         C = self.num_classes
-        if ctx.dim() == 2:
-            ctx = ctx.unsqueeze(0).expand(C, -1, -1)
-        elif ctx.shape[-3] != C:
+        if not per_class:
             ctx = ctx.unsqueeze(-3).expand(*ctx.shape[:-2], C, *ctx.shape[-2:])
+        elif ctx.shape[-3] != C:
+            raise ValueError(f"class-specific context needs {C} rows at dim -3, got shape {tuple(ctx.shape)}")
         lead = ctx.shape[:-3]
         prefix = self.prefix.expand(*lead, *self.prefix.shape)
         suffix = self.suffix.expand(*lead, *self.suffix.shape)
         return torch.cat([prefix, ctx.to(self.prefix.dtype), suffix], dim=-2)
 
-    def text_features(self, ctx: Tensor, normalize: bool = True) -> Tensor:
+    def text_features(self, ctx: Tensor, normalize: bool = True, per_class: bool = False) -> Tensor:
         """(..., C, embed_dim) text features of every class for the given context vectors."""
-        emb = self.embeddings(ctx)
+        emb = self.embeddings(ctx, per_class=per_class)
         lead = emb.shape[:-3]
         flat = emb.reshape(-1, *emb.shape[-2:])
         eot = self.eot.repeat(flat.shape[0] // self.num_classes)
@@ -222,7 +222,7 @@ class CoOpPrompts(nn.Module):
     def plain_text_features(self) -> Tensor:
         """Text features of the untouched "X X ... X class." prompts (no learned context)."""
         with torch.no_grad():
-            return self.text_features(self.placeholder)
+            return self.text_features(self.placeholder, per_class=True)
 
 
 @dataclass

@@ -1,0 +1,27 @@
+# Two commands: `make run` (the default experiment) and `make test` (the test suite).
+# Each creates .venv with the pinned dependencies when it is missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup run test clean
+
+$(BIN)/.installed: requirements.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -r requirements.txt
+	$(BIN)/python -m pip install -q -e . --no-deps
+	touch $@
+
+setup: $(BIN)/.installed
+
+run: setup
+	$(BIN)/python raysim/run.py $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

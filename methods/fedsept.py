@@ -1,0 +1,215 @@
+"""FedSEPT (fedsept.txt, Algorithm 1): subspace-decomposed expert prompts with instance-aware fusion.
+
+SEM   P_m = A_m B0 + R (Eq. 5). B0 is a public basis drawn from a public seed (never sent each round:
+      every host derives the bit-identical B0 in `build_env`); A = [A_1..A_M] is the only upload;
+      R stays on the client.
+IEF   a private router pi(x) = softmax(W_gate MHA(u, v(x), v(x))) (Eq. 7) weights the experts'
+      logits (Eq. 9); per-expert text features are cached at inference.
+Loss  l_i = CE_i + lambda_div L_div (Eq. 6) per sample; lambda_gate L_gate (Eq. 8) on the router only.
+DP    DP-SGD on A alone (Eq. 11); R and the router take the plain gradient.
+Server  expert-wise weighted average of A (Eq. 12).
+
+Variants (Table 4, Table 5): single (one full-dimensional shared prompt, no R, no router),
+full_meps (A_m is L x w, no basis), wo_r (no residual), top1 (arg-max expert only), uniform
+(pi = 1/M); fusion="prompt" is FedSEPT-PF, cache_text=False is FedSEPT-NC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from raysim.errors import ConfigError
+from raysim.methods.base import ClientData, LocalResult, register_method
+from raysim.methods.common import ClipPromptMethod, sgd, weighted_mean
+from raysim.models.fedsept_modules import (
+    diversity_loss,
+    expert_prompts,
+    gate_loss,
+    hard_top1,
+    logit_fusion,
+    make_router,
+    prompt_fusion,
+    public_basis,
+    seeded,
+)
+from raysim.sampling import batch_indices
+
+VARIANTS = ("full", "single", "full_meps", "wo_r", "top1", "uniform")
+
+
+@dataclass
+class FedSEPTOptions:
+    experts: int = 4  # M
+    rank: int = 16  # r
+    lambda_div: float = 10.0
+    div_reduction: str = "sum"  # sum (paper Eq. 6, Frobenius) | mean (official code)
+    lambda_gate: float = 10.0  # 0 reproduces the official code (no L_gate)
+    router: str = "pooled"  # pooled (official) | patch (needs patch-token features)
+    router_heads: int = 4
+    router_dropout: float = 0.1
+    variant: str = "full"  # full | single | full_meps | wo_r | top1 | uniform
+    fusion: str = "logit"  # logit (Eq. 9) | prompt (FedSEPT-PF)
+    cache_text: bool = True  # False = FedSEPT-NC: expert text features recomputed for every batch
+    basis_seed: int = 1  # public seed of B0
+
+    def validate(self) -> None:
+        def check(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        check(self.experts >= 1, f"fedsept.experts must be >= 1, got {self.experts}")
+        check(self.rank >= 1, f"fedsept.rank must be >= 1, got {self.rank}")
+        check(self.lambda_div >= 0, f"fedsept.lambda_div must be >= 0, got {self.lambda_div}")
+        check(self.lambda_gate >= 0, f"fedsept.lambda_gate must be >= 0 (0 = official code), got {self.lambda_gate}")
+        check(self.div_reduction in ("sum", "mean"), f"fedsept.div_reduction must be sum or mean, got {self.div_reduction!r}")
+        check(self.router in ("pooled", "patch"), f"fedsept.router must be pooled or patch, got {self.router!r}")
+        check(
+            self.router != "patch",
+            "fedsept.router=patch attends over the image's patch tokens, but clients here receive frozen pooled "
+            "image features only (one token per image, so the probe query would be inert); use router=pooled",
+        )
+        check(self.router_heads >= 1, f"fedsept.router_heads must be >= 1, got {self.router_heads}")
+        check(0 <= self.router_dropout < 1, f"fedsept.router_dropout must be in [0, 1), got {self.router_dropout}")
+        check(self.variant in VARIANTS, f"fedsept.variant must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
+        check(self.fusion in ("logit", "prompt"), f"fedsept.fusion must be logit or prompt, got {self.fusion!r}")
+
+
+@register_method
+class FedSEPT(ClipPromptMethod):
+    name = "fedsept"
+    Options = FedSEPTOptions
+    uploads = ("A",)
+
+    # -- the variant as structure ----------------------------------------------------------
+    @property
+    def M(self) -> int:
+        return 1 if self.opts.variant == "single" else self.opts.experts
+
+    @property
+    def low_rank(self) -> bool:  # SEM's basis; single and full_meps use full-dimensional experts
+        return self.opts.variant not in ("single", "full_meps")
+
+    @property
+    def has_residual(self) -> bool:
+        return self.opts.variant not in ("single", "wo_r")
+
+    @property
+    def has_router(self) -> bool:
+        return self.M > 1 and self.opts.variant != "uniform"
+
+    # -- frozen parts: the CLIP text side and the public basis -------------------------------
+    def build_env(self, spec, *, role: str):
+        env = super().build_env(spec, role=role)
+        self.B0 = self.basis(env)
+        return env
+
+    def basis(self, env):
+        """B0 (r, w) from the public seed (None for full-dimensional experts). Identical on every host."""
+        if not self.low_rank:
+            return None
+        B0 = getattr(self, "B0", None)
+        if B0 is None or B0.shape != (self.opts.rank, env.ctx_width):
+            B0 = public_basis(self.opts.basis_seed, self.opts.rank, env.ctx_width)
+        return B0.to(env.device)
+
+    # -- server half -------------------------------------------------------------------------
+    def init_shared(self, env, rng):
+        cols = self.opts.rank if self.low_rank else env.ctx_width
+        A = torch.randn(self.M * self.train.n_ctx, cols, generator=rng) * 0.02
+        return {"A": A}
+
+    def aggregate(self, env, shared, uploads, rng):
+        # Eq. 12: A^m = sum_k n_k / sum_j n_j A_k^m for every expert m (the same weights for each m)
+        return {"A": weighted_mean(uploads, "A")}
+
+    # -- client half -------------------------------------------------------------------------
+    def init_private(self, env, data: ClientData, rng):
+        private = {}
+        if self.has_residual:
+            private["R"] = torch.zeros(self.train.n_ctx, env.ctx_width)
+        if self.has_router:
+            private["router"] = self._router(env, rng).state_dict()
+        return private
+
+    def _router(self, env, rng, state=None):
+        o = self.opts
+        router = make_router(env.feature_dim, self.M, o.router_heads, o.router_dropout, o.router, rng)
+        if state is not None:
+            router.load_state_dict(state)
+        return router.to(env.device)
+
+    def route(self, router, feats):
+        """Soft expert weights pi(x), (B, M): the router's (Eq. 7), or 1/M for the uniform variant."""
+        if router is None:
+            return torch.full((feats.shape[0], self.M), 1.0 / self.M, device=feats.device)
+        return router(feats)
+
+    def forward(self, env, A, R, router, feats, text=None):
+        """Fused logits (B, C) and the soft routing weights. `text`: cached (M, C, D) expert text features."""
+        pi_soft = self.route(router, feats)
+        pi = hard_top1(pi_soft) if self.opts.variant == "top1" else pi_soft
+        P = expert_prompts(A, self.M, self.basis(env), R)  # Eq. 5
+        if self.opts.fusion == "prompt":
+            return prompt_fusion(env.prompts, env.logit_scale, feats, P, pi), pi_soft
+        if text is None:
+            text = env.prompts.text_features(P)  # (M, C, D) in one batched pass
+        return logit_fusion(env.logit_scale, feats, text, pi), pi_soft  # Eq. 9
+
+    def local_train(self, env, shared, private, data: ClientData, *, rng, privacy) -> LocalResult:
+        o = self.opts
+        A = shared["A"].clone().to(env.device).requires_grad_(True)
+        R = private["R"].clone().to(env.device).requires_grad_(True) if self.has_residual else None
+        router = self._router(env, rng, private["router"]).train() if self.has_router else None
+        router_params = list(router.parameters()) if router is not None else []
+        params = [A] + ([R] if R is not None else [])
+        groups = [{"params": params}] + ([{"params": router_params, "weight_decay": 0.0}] if router_params else [])
+        opt = sgd(groups, self.train)
+        x, y = data.x_train.to(env.device), data.y_train.to(env.device)
+        losses = []
+        with seeded(rng):  # router dropout draws from a stream of this (round, client)
+            for _ in range(self.train.local_epochs):
+                for idx in batch_indices(data.num_train, self.train.batch_size, rng):
+                    logits, pi = self.forward(env, A, R, router, x[idx])
+                    ce = F.cross_entropy(logits, y[idx], reduction="none")
+                    loss = ce + o.lambda_div * diversity_loss(A, self.M, o.div_reduction)  # per sample, before clipping
+                    gate_grads = None
+                    if router_params and o.lambda_gate > 0:  # non-DP loss of the router only
+                        gate_grads = torch.autograd.grad(o.lambda_gate * gate_loss(pi), router_params, retain_graph=True, allow_unused=True)
+                    opt.zero_grad(set_to_none=True)
+                    privacy.backward(loss, dp_params=[A], other_params=params[1:] + router_params)  # Eq. 11
+                    if gate_grads is not None:
+                        for p, g in zip(router_params, gate_grads):
+                            if g is not None:
+                                p.grad = g if p.grad is None else p.grad + g
+                    opt.step()
+                    losses.append(loss.mean().item())
+        new_private = dict(private)
+        if R is not None:
+            new_private["R"] = R.detach().cpu()
+        if router is not None:
+            new_private["router"] = {k: v.detach().cpu() for k, v in router.state_dict().items()}
+        return LocalResult(
+            upload={"A": A.detach().cpu()},
+            private=new_private,
+            num_samples=data.num_train,
+            metrics={"loss": sum(losses) / max(1, len(losses))},
+        )
+
+    def predictor(self, env, shared, private):
+        """The evaluated model: global A with the client's own R and router (SPEC 1.8)."""
+        A = shared["A"].to(env.device)
+        R = private["R"].to(env.device) if self.has_residual else None
+        router = self._router(env, torch.Generator().manual_seed(0), private["router"]).eval() if self.has_router else None
+        text = None
+        if self.opts.fusion == "logit" and self.opts.cache_text:  # computed once, reused for every batch
+            with torch.no_grad():
+                text = env.prompts.text_features(expert_prompts(A, self.M, self.basis(env), R))
+
+        @torch.no_grad()
+        def predict(feats):
+            return self.forward(env, A, R, router, feats.to(env.device), text)[0]
+
+        return predict

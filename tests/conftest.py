@@ -1,0 +1,52 @@
+"""Shared test fixtures: offline, one local Ray cluster per test session, one feature cache."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> str:
+    """One frozen-feature / generated-data cache for the whole session."""
+    return str(tmp_path_factory.mktemp("raysim-cache"))
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray cluster shared by every test that needs one; shut down at the end of the session."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def tiny_config(tmp_path, cache_dir: str, **overrides):
+    """A small, fast PromptFL federation on digits (the engine's default path)."""
+    from raysim.config import build_config
+
+    values = dict(
+        method="promptfl",
+        dataset="digits",
+        num_clients=4,
+        rounds=3,
+        eval_every=1,
+        eval_last=1,
+        batch_size=16,
+        shots=8,
+        lr=0.05,
+        backend="inline",
+        progress=False,
+        tensorboard=False,
+        cache_dir=cache_dir,
+        out_dir=str(tmp_path / "run"),
+    )
+    values.update(overrides)
+    return build_config(values)

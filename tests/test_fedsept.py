@@ -1,0 +1,249 @@
+"""FedSEPT: SEM, router, losses, DP placement, communication, variants, and an engine run."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raysim.actors import check_upload
+from raysim.errors import ConfigError, UploadViolation
+from raysim.methods import ClientData, EnvSpec, TrainConfig, get_method
+from raysim.models.clip import ModelSpec, build_clip_env
+from raysim.models.fedsept_modules import Router, diversity_loss, gate_loss
+from raysim.privacy.dpsgd import DPSGD, NoDP, per_sample_grads
+
+CLASSES = ["zero", "one", "two", "three", "four"]
+L = 4  # short prompts keep the tiny text tower fast
+
+
+@pytest.fixture(scope="module")
+def env():
+    return build_clip_env(ModelSpec("raysim-tiny"), CLASSES, L)
+
+
+def make(**opts):
+    cls = get_method("fedsept")
+    return cls(TrainConfig(n_ctx=L, batch_size=4, lr=0.01), cls.Options(**{"rank": 8, **opts}))
+
+
+def client_data(env, n=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = F.normalize(torch.randn(n, env.feature_dim, generator=g), dim=-1)
+    y = torch.arange(n) % len(CLASSES)
+    return ClientData(0, x, y, x[:4], y[:4], len(CLASSES))
+
+
+def setup(method, env, seed=0):
+    shared = method.init_shared(env, torch.Generator().manual_seed(seed))
+    private = method.init_private(env, client_data(env), torch.Generator().manual_seed(seed + 1))
+    return shared, private
+
+
+def per_sample_loss(method, env, A, R, router, x, y):
+    logits, _ = method.forward(env, A, R, router, x)
+    return F.cross_entropy(logits, y, reduction="none") + method.opts.lambda_div * diversity_loss(
+        A, method.M, method.opts.div_reduction
+    )
+
+
+def test_per_example_grads_equal_single_example_loop(env):
+    m = make()
+    shared, private = setup(m, env)
+    A = shared["A"].clone().requires_grad_(True)
+    R = (private["R"] + 0.01 * torch.randn_like(private["R"])).requires_grad_(True)
+    router = m._router(env, torch.Generator(), private["router"]).eval()
+    data = client_data(env, n=6)
+    loss = per_sample_loss(m, env, A, R, router, data.x_train, data.y_train)
+    (batched,) = per_sample_grads(loss, [A], microbatch=4)  # two chunks, the second one short
+    for i in range(6):
+        li = per_sample_loss(m, env, A, R, router, data.x_train[i : i + 1], data.y_train[i : i + 1])
+        (gi,) = torch.autograd.grad(li.sum(), [A])
+        torch.testing.assert_close(batched[i], gi, rtol=1e-5, atol=1e-7)
+
+
+def test_dp_noise_on_A_has_calibrated_std_and_R_router_are_noise_free(env):
+    m = make(rank=32)
+    shared, private = setup(m, env)
+    A = shared["A"].clone().requires_grad_(True)
+    R = private["R"].clone().requires_grad_(True)
+    router = m._router(env, torch.Generator(), private["router"]).eval()
+    data = client_data(env, n=4)
+    loss = 0.0 * per_sample_loss(m, env, A, R, router, data.x_train, data.y_train)  # zero gradients
+    sigma, clip, B = 3.0, 0.5, 4
+    dp = DPSGD(sigma=sigma, clip=clip, sample_rate=0.5, generator=torch.Generator().manual_seed(7))
+    dp.backward(loss, dp_params=[A], other_params=[R, *router.parameters()])
+    expected = sigma * clip / B
+    assert A.grad.numel() == m.M * L * 32
+    assert A.grad.std().item() == pytest.approx(expected, rel=0.06)
+    assert abs(A.grad.mean().item()) < 4 * expected / math.sqrt(A.grad.numel())
+    assert torch.count_nonzero(R.grad) == 0
+    assert all(torch.count_nonzero(p.grad) == 0 for p in router.parameters())
+
+
+def test_public_basis_bit_identical_across_hosts():
+    spec = EnvSpec(model=ModelSpec("raysim-tiny"), classnames=CLASSES)
+    hosts = []
+    for role in ("client", "client", "server"):
+        m = make(rank=16)
+        m.build_env(spec, role=role)
+        hosts.append(m.B0)
+    assert hosts[0].shape == (16, 128)
+    assert torch.equal(hosts[0], hosts[1]) and torch.equal(hosts[0], hosts[2])
+    assert hosts[0].std().item() == pytest.approx(0.02, rel=0.1)  # N(0, 0.02^2), not orthonormalised
+    other = make(rank=16, basis_seed=2)
+    other.build_env(spec, role="client")
+    assert not torch.equal(hosts[0], other.B0)
+
+
+def test_only_A_is_uploaded(env):
+    m = make()
+    shared, private = setup(m, env)
+    res = m.local_train(env, shared, private, client_data(env), rng=torch.Generator().manual_seed(3), privacy=NoDP())
+    assert set(res.upload) == {"A"} and m.uploads == ("A",)
+    clean = check_upload(m, 0, res.upload)
+    assert clean["A"].shape == (m.M * L, 8)
+    assert set(res.private) == {"R", "router"}
+    assert not torch.equal(res.private["R"], private["R"])  # R trained, kept local
+    B0 = m.basis(env)
+    for bad in ({"A": clean["A"], "R": res.private["R"]}, {"B0": B0}, {"router.gate.weight": res.private["router"]["gate.weight"]}):
+        with pytest.raises(UploadViolation):
+            check_upload(m, 0, bad)
+
+
+def test_communication_per_round_matches_the_paper():
+    wide = SimpleNamespace(ctx_width=512, device=torch.device("cpu"))
+    cls = get_method("fedsept")
+    fed = cls(TrainConfig(n_ctx=16), cls.Options(experts=4, rank=16))
+    pfl = get_method("promptfl")(TrainConfig(n_ctx=16), None)
+
+    def per_round(method):  # upload + download of the broadcast state, fp32
+        shared = method.init_shared(wide, torch.Generator().manual_seed(0))
+        floats = 2 * sum(t.numel() for t in shared.values())
+        return floats, 2 * sum(t.numel() * t.element_size() for t in shared.values()) / 1024
+
+    assert per_round(fed) == (2048, 8.0)
+    assert per_round(pfl) == (16384, 64.0)
+
+
+def test_diversity_sum_is_M_M_minus_1_times_mean():
+    A = torch.randn(4 * L, 8)
+    s, m = diversity_loss(A, 4, "sum"), diversity_loss(A, 4, "mean")
+    torch.testing.assert_close(s, 12 * m)
+    same = torch.randn(L, 8).repeat(4, 1)  # collapsed experts: every off-diagonal cosine is 1
+    assert diversity_loss(same, 4, "sum").item() == pytest.approx(12.0)
+    assert diversity_loss(torch.randn(L, 8), 1, "sum").item() == 0.0
+
+
+def test_gate_loss_zero_iff_batch_mean_routing_is_uniform():
+    balanced = torch.eye(4)[[0, 1, 2, 3, 3, 2, 1, 0]]  # confident per input, uniform on average
+    assert gate_loss(balanced).item() == pytest.approx(0.0, abs=1e-6)
+    assert gate_loss(torch.full((5, 4), 0.25)).item() == pytest.approx(0.0, abs=1e-6)
+    skewed = torch.softmax(torch.tensor([[2.0, 0.0, 0.0, 0.0]] * 3), dim=-1)
+    assert gate_loss(skewed).item() > 0.1
+
+
+def test_gate_loss_reaches_the_router_only(env):
+    grads = {}
+    for lg in (0.0, 10.0):
+        m = make(lambda_gate=lg, router_dropout=0.0)
+        shared, private = setup(m, env)
+        res = m.local_train(env, shared, private, client_data(env, n=4), rng=torch.Generator().manual_seed(5), privacy=NoDP())
+        grads[lg] = res
+    torch.testing.assert_close(grads[0.0].upload["A"], grads[10.0].upload["A"])
+    torch.testing.assert_close(grads[0.0].private["R"], grads[10.0].private["R"])
+    assert not torch.equal(grads[0.0].private["router"]["gate.weight"], grads[10.0].private["router"]["gate.weight"])
+
+
+@pytest.mark.parametrize(
+    "opts,shape,private_keys",
+    [
+        (dict(), (4 * L, 8), {"R", "router"}),
+        (dict(variant="single"), (L, 128), set()),
+        (dict(variant="full_meps"), (4 * L, 128), {"R", "router"}),
+        (dict(variant="wo_r"), (4 * L, 8), {"router"}),
+        (dict(variant="top1"), (4 * L, 8), {"R", "router"}),
+        (dict(variant="uniform"), (4 * L, 8), {"R"}),
+        (dict(fusion="prompt"), (4 * L, 8), {"R", "router"}),
+        (dict(cache_text=False, div_reduction="mean", lambda_gate=0.0), (4 * L, 8), {"R", "router"}),
+    ],
+)
+def test_each_variant_trains_under_dp(env, opts, shape, private_keys):
+    m = make(**opts)
+    shared, private = setup(m, env)
+    assert shared["A"].shape == shape and set(private) == private_keys
+    dp = DPSGD(sigma=1.0, clip=1.0, sample_rate=0.5, generator=torch.Generator().manual_seed(1))
+    res = m.local_train(env, shared, private, client_data(env), rng=torch.Generator().manual_seed(2), privacy=dp)
+    assert dp.steps == 2 == m.dp_steps_per_round(8)
+    assert res.upload["A"].shape == shape and not torch.equal(res.upload["A"], shared["A"])
+    assert math.isfinite(res.metrics["loss"])
+    logits = m.predictor(env, res.upload, res.private)(client_data(env).x_test)
+    assert logits.shape == (4, len(CLASSES)) and torch.isfinite(logits).all()
+
+
+def test_cache_uncached_and_fusion_semantics(env):
+    base = make()
+    shared, private = setup(base, env)
+    shared = {"A": shared["A"] * 50}  # experts that differ visibly
+    x = client_data(env).x_test
+    cached = base.predictor(env, shared, private)(x)
+    nc = make(cache_text=False).predictor(env, shared, private)(x)
+    torch.testing.assert_close(cached, nc)
+    # top-1 keeps the arg-max expert's logits only
+    m = make(variant="top1")
+    router = m._router(env, torch.Generator(), private["router"]).eval()
+    P = m.basis(env)
+    text = env.prompts.text_features(shared["A"].view(4, L, -1) @ P + private["R"])
+    with torch.no_grad():
+        best = router(x).argmax(-1)
+    expect = env.logit_scale * torch.stack([x[i] @ text[best[i]].t() for i in range(len(x))])
+    torch.testing.assert_close(m.predictor(env, shared, private)(x), expect, rtol=1e-5, atol=1e-5)
+    # uniform weights and uniform prompt mixing are different models; with one expert they coincide
+    pf = make(fusion="prompt", variant="uniform").predictor(env, shared, {"R": private["R"]})(x)
+    lf = make(variant="uniform").predictor(env, shared, {"R": private["R"]})(x)
+    assert not torch.allclose(pf, lf)
+
+
+def test_patch_router_needs_patch_tokens():
+    opts = get_method("fedsept").Options(router="patch")
+    with pytest.raises(ConfigError, match="patch"):
+        opts.validate()
+    for bad in (dict(experts=0), dict(variant="moe"), dict(fusion="x"), dict(div_reduction="max"), dict(lambda_gate=-1)):
+        with pytest.raises(ConfigError):
+            dataclasses.replace(get_method("fedsept").Options(), **bad).validate()
+    # the module itself: with K patch tokens the probe query matters (it gets a gradient)
+    r = Router(32, 4, heads=4, dropout=0.0, mode="patch")
+    r(torch.randn(3, 7, 32)).pow(2).sum().backward()
+    assert r.probe.grad.abs().sum() > 0
+    pooled = Router(32, 4, heads=4, dropout=0.0, mode="pooled")
+    pooled(torch.randn(3, 32)).pow(2).sum().backward()
+    assert pooled.probe.grad is None or pooled.probe.grad.abs().sum() == 0  # one key: u is inert
+    with pytest.raises(ConfigError):
+        r(torch.randn(3, 32))
+
+
+def test_engine_run_with_dp_stays_within_budget(tmp_path):
+    from raysim.config import build_config
+    from raysim.engine import run
+
+    cfg = build_config(
+        dict(
+            method="fedsept", rounds=2, backend="inline", out_dir=str(tmp_path / "r"), progress=False,
+            tensorboard=False, cache_dir=str(tmp_path / "cache"), dp={"epsilon": 1.0},
+        )
+    )
+    result = run(cfg)
+    rows = pd.read_csv(tmp_path / "r" / "results.csv")
+    assert len(rows) == 2
+    o = cfg.method_options()
+    per_client = o.experts * cfg.n_ctx * o.rank * 4
+    assert (rows["bytes_up"] == cfg.num_clients * per_client).all()
+    assert (rows["bytes_down"] == cfg.num_clients * per_client).all()
+    eps = pd.read_csv(tmp_path / "r" / "client_results.csv")["epsilon"]
+    assert len(eps) > 0 and (eps > 0).all() and (eps <= 1.0 + 1e-9).all()
+    assert math.isfinite(result.summary["hm"])

@@ -1,0 +1,146 @@
+import math
+
+import pytest
+import torch
+
+from raysim.errors import ConfigError
+from raysim.privacy import (
+    clip_update,
+    discriminativeness_scores,
+    gaussian_rdp_sigma,
+    gaussian_sigma,
+    group_clip,
+    igpp_release,
+    noise_update,
+    private_topk_partition,
+    release_embeddings,
+    vpp_release,
+    vpp_sigmas,
+)
+from raysim.privacy.prototypes import laplace_noise, topk_laplace_scale
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_vpp_sigmas_budget_and_discriminative_group():
+    rng = _gen(3)
+    d = 512
+    for rho in torch.rand(50, generator=rng).clamp_min(1e-3) * 0.5:
+        d_A = math.ceil(float(rho) * d)
+        sigma_ref = 24.30
+        sA, sB = vpp_sigmas(sigma_ref, d, d_A)
+        assert 1 / sA**2 + 1 / sB**2 <= 1 / sigma_ref**2 * (1 + 1e-9)
+        # per-coordinate noise on I_A, sigma_A * Delta_A = sigma_A * kappa_A * Delta, is no more than
+        # the isotropic sigma_ref * Delta (vpdr.txt section 4.2, rho <= 0.5)
+        kA = math.sqrt(d_A / d)
+        assert sA * kA <= sigma_ref * (1 + 1e-9)
+        assert sB >= sigma_ref
+    sA, sB = vpp_sigmas(1.0, 512, 154)  # SPEC 3.2 step 7: 0.706 on A, 1.329 on B
+    assert sA * math.sqrt(154 / 512) == pytest.approx(0.706, abs=1e-3)
+    assert sB * math.sqrt(358 / 512) == pytest.approx(1.329, abs=1e-3)
+
+
+def test_laplace_scale_empirical():
+    lam = topk_laplace_scale(k=154, H=0.1, epsilon1=0.1, rounds=20)
+    assert lam == pytest.approx(2 * 154 * 0.1 * 20 / 0.1)
+    x = laplace_noise(200_000, 3.0, _gen(1), torch.device("cpu"))
+    assert x.abs().mean().item() == pytest.approx(3.0, rel=0.02)  # E|X| = scale
+    assert x.var().item() == pytest.approx(2 * 9.0, rel=0.03)  # Var = 2 scale^2
+    assert abs(x.mean().item()) < 0.05
+
+
+def test_topk_partition():
+    s = torch.linspace(0, 1, 20)
+    a, b = private_topk_partition(s, k=5, H=2.0, epsilon1=math.inf, rounds=1, generator=_gen())
+    assert a.tolist() == [15, 16, 17, 18, 19] and b.tolist() == list(range(15))
+    a1, _ = private_topk_partition(s, k=5, H=0.1, epsilon1=0.1, rounds=20, generator=_gen(4))
+    a2, _ = private_topk_partition(s, k=5, H=0.1, epsilon1=0.1, rounds=20, generator=_gen(4))
+    assert a1.tolist() == a2.tolist() and len(a1) == 5
+    with pytest.raises(ConfigError):
+        private_topk_partition(s, k=0, H=0.1, epsilon1=1.0, rounds=1, generator=_gen())
+
+
+def test_scores_and_degenerate():
+    g = _gen(2)
+    y = torch.arange(4).repeat_interleave(25)
+    z = torch.randn(100, 6, generator=g)
+    z[:, 0] += 5 * y  # dimension 0 separates the classes
+    s = discriminativeness_scores(z, y, 4)
+    assert s.shape == (6,) and int(s.argmax()) == 0 and (s >= 0).all()
+    assert discriminativeness_scores(z, torch.zeros(100, dtype=torch.long), 4).abs().sum() == 0
+    assert discriminativeness_scores(z[:3], y[:3] * 0 + torch.tensor([0, 1, 2]), 4).abs().sum() == 0  # n <= C
+
+
+def test_group_clip_bounds():
+    z = torch.randn(30, 16, generator=_gen(5)) * 10
+    idx_A, idx_B = torch.tensor([1, 4, 7, 9]), torch.tensor([i for i in range(16) if i not in (1, 4, 7, 9)])
+    out = group_clip(z, idx_A, idx_B, 2.0)
+    assert (out[:, idx_A].norm(dim=1) <= 2.0 * math.sqrt(4 / 16) + 1e-5).all()
+    assert (out[:, idx_B].norm(dim=1) <= 2.0 * math.sqrt(12 / 16) + 1e-5).all()
+    assert (out.norm(dim=1) <= 2.0 + 1e-5).all()
+
+
+def test_igpp_noise_scale_and_clip():
+    d, n = 4000, 50
+    z = torch.randn(n, d, generator=_gen(6))
+    y = torch.zeros(n, dtype=torch.long)
+    clean = igpp_release(z, y, clip=1.0, sigma=0.0, generator=_gen())
+    assert clean[0].norm() <= 1.0 + 1e-6
+    noisy = igpp_release(z, y, clip=1.0, sigma=3.0, generator=_gen(7))
+    assert (noisy[0] - clean[0]).std().item() == pytest.approx(3.0 * 2 / n, rel=0.05)
+    # clustered centres: each centre's noise uses its own member count
+    assign = torch.tensor([0] * 10 + [1] * 40)
+    out = igpp_release(z, y, clip=1.0, sigma=3.0, generator=_gen(7), assignments=assign)
+    assert out[0].shape == (2, d)
+
+
+def test_vpp_release_noise_per_group():
+    d, n = 512, 40
+    z = torch.randn(n, d, generator=_gen(8))
+    y = torch.tensor([0] * 20 + [1] * 20)
+    out = vpp_release(z, y, R=5.0, rho=0.3, H=0.1, epsilon=1.0, rounds=20, delta=1e-5, generator=_gen(9))
+    assert out["sigma_ref"] == pytest.approx(gaussian_rdp_sigma(epsilon=0.9, delta=1e-5, releases=20))
+    idx_A, idx_B = out["idx_A"], out["idx_B"]
+    assert len(idx_A) == 154 and len(idx_B) == 358
+    clean = group_clip(z, idx_A, idx_B, 5.0)[y == 0].mean(0)
+    noise = out["prototypes"][0] - clean
+    delta_s = 2 * 5.0 / 20
+    sA = out["sigma_A"] * math.sqrt(154 / 512) * delta_s
+    sB = out["sigma_B"] * math.sqrt(358 / 512) * delta_s
+    assert noise[idx_A].std().item() == pytest.approx(sA, rel=0.2)
+    assert noise[idx_B].std().item() == pytest.approx(sB, rel=0.15)
+    # reproducible; epsilon=inf gives the clean group-clipped prototypes
+    again = vpp_release(z, y, R=5.0, rho=0.3, H=0.1, epsilon=1.0, rounds=20, delta=1e-5, generator=_gen(9))
+    torch.testing.assert_close(again["prototypes"][1], out["prototypes"][1])
+    free = vpp_release(z, y, R=5.0, rho=0.3, H=0.1, epsilon=math.inf, rounds=20, delta=1e-5, generator=_gen(9))
+    assert free["sigma_A"] == 0.0
+    # clustered centres
+    assign = torch.tensor(([0] * 5 + [1] * 15) * 2)
+    cl = vpp_release(z, y, R=5.0, rho=0.3, H=0.1, epsilon=1.0, rounds=20, delta=1e-5, generator=_gen(9),
+                     centres="cluster", assignments=assign)
+    assert cl["prototypes"][0].shape == (2, d) and cl["counts"][0].tolist() == [5, 15]
+
+
+def test_embedding_release():
+    assert gaussian_sigma(epsilon=1.0, delta=1e-5, clip=2.5) == pytest.approx(24.2, abs=0.05)
+    emb = torch.randn(8, 77, 64, generator=_gen(10)) * 3
+    out = release_embeddings(emb, clip=2.5, epsilon=4.0, delta=1e-5, generator=_gen(11))
+    assert out.shape == emb.shape
+    clipped = emb.reshape(-1) * min(1.0, 2.5 / emb.norm().item())
+    assert (out.reshape(-1) - clipped).std().item() == pytest.approx(gaussian_sigma(epsilon=4.0, delta=1e-5, clip=2.5), rel=0.02)
+    torch.testing.assert_close(release_embeddings(emb, clip=2.5, epsilon=math.inf, delta=1e-5, generator=None), emb)
+
+
+def test_client_level_update():
+    g = _gen(12)
+    upd = {"a": torch.randn(100, 10, generator=g) * 5, "b": torch.randn(300, generator=g)}
+    c = clip_update(upd, 2.0)
+    norm = math.sqrt(sum(float(t.pow(2).sum()) for t in c.values()))
+    assert norm == pytest.approx(2.0, rel=1e-5)
+    n1 = noise_update(upd, clip=2.0, sigma=0.5, generator=_gen(13))
+    n2 = noise_update(upd, clip=2.0, sigma=0.5, generator=_gen(13))
+    torch.testing.assert_close(n1["a"], n2["a"])
+    resid = torch.cat([(n1[k] - c[k]).reshape(-1) for k in upd])
+    assert resid.std().item() == pytest.approx(1.0, rel=0.08)
