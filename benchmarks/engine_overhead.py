@@ -1,0 +1,110 @@
+"""Engine overhead: the same PromptFL workload through the Ray engine and through a plain loop.
+
+    python benchmarks/engine_overhead.py [--clients 100] [--participation 0.1] [--rounds 5] [--actors 2]
+
+The plain loop calls the very same client code (`Method.local_train`) and server code (`aggregate`) in
+one process with no actors, no checkpoints and no logging. Both are timed per round after start-up
+(Ray start and feature caching are excluded); the ratio is engine seconds / plain seconds. With more
+than one actor the engine trains clients in parallel, so on a multi-core machine the ratio can be < 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def plain_loop(cfg, rounds: int) -> list[float]:
+    import torch
+
+    from raysim.actors import env_spec, make_method
+    from raysim.engine import prepare_data
+    from raysim.methods import ClientData, Upload
+    from raysim.privacy import NoDP
+    from raysim.sampling import generator, participants
+
+    torch.set_num_threads(cfg.num_threads)
+    method = make_method(cfg)
+    data = prepare_data(cfg, method.input, progress=False)
+    env = method.build_env(env_spec(cfg, data.classnames), role="client")
+    xtr, ytr = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
+    shared = method.init_shared(env, generator(cfg.seed, "server-init"))
+    private: dict[int, dict] = {}
+    times = []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        uploads = []
+        for cid in participants(cfg.seed, r, cfg.num_clients, cfg.participation):
+            idx = torch.as_tensor(data.train_idx[cid])
+            cd = ClientData(cid, xtr[idx], ytr[idx], xtr[:0], ytr[:0], len(data.classnames))
+            if cid not in private:
+                private[cid] = method.init_private(env, cd, generator(cfg.seed, "init", cid))
+            res = method.local_train(env, shared, private[cid], cd, rng=generator(cfg.seed, "train", r, cid), privacy=NoDP())
+            private[cid] = res.private
+            uploads.append(Upload(cid, res.upload, res.num_samples))
+        shared = method.aggregate(env, shared, uploads, generator(cfg.seed, "server", r))
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def engine_loop(cfg) -> list[float]:
+    from raysim.engine import run
+
+    rows = run(cfg).rounds
+    return [r["seconds"] for r in rows]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", type=int, default=100)
+    ap.add_argument("--participation", type=float, default=0.1)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--actors", type=int, default=2)
+    ap.add_argument("--model", default="raysim-tiny")
+    ap.add_argument("--partition", default="iid")
+    args = ap.parse_args(argv)
+
+    from raysim.config import build_config
+
+    tmp = Path(tempfile.mkdtemp(prefix="raysim-bench-"))
+    common = dict(
+        method="promptfl",
+        dataset="digits",
+        partition=args.partition,
+        beta=0.5,
+        shots=0,
+        min_samples=5,
+        num_clients=args.clients,
+        participation=args.participation,
+        rounds=args.rounds,
+        model=args.model,
+        eval_every=10**6,
+        eval_last=0,
+        progress=False,
+        tensorboard=False,
+        cache_dir=str(tmp / "cache"),
+    )
+    plain = plain_loop(build_config(dict(common, backend="inline", out_dir=str(tmp / "plain"))), args.rounds)
+    inline = engine_loop(build_config(dict(common, backend="inline", out_dir=str(tmp / "inline"))))
+    ray_t = engine_loop(build_config(dict(common, backend="ray", num_actors=args.actors, out_dir=str(tmp / "ray"))))
+    # the first round warms caches (allocator, lazy imports): report the median of the rest
+    med = lambda xs: statistics.median(xs[1:] if len(xs) > 1 else xs)  # noqa: E731
+    p, i, r = med(plain), med(inline), med(ray_t)
+    print(f"PromptFL, {args.clients} clients, participation {args.participation}, {args.rounds} rounds, model {args.model}")
+    print("| loop | s / round | ratio to plain |")
+    print("|---|---:|---:|")
+    print(f"| plain single-process loop | {p:.3f} | 1.00 |")
+    print(f"| engine, backend=inline | {i:.3f} | {i / p:.2f} |")
+    print(f"| engine, backend=ray ({args.actors} actors) | {r:.3f} | {r / p:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
