@@ -86,3 +86,15 @@ def test_cli_refuses_to_overwrite_and_keeps_files(tmp_path):
     p = cli(f"out_dir={out}", "backend=inline", cwd=tmp_path)
     assert p.returncode == 2 and "resume=" in p.stderr
     assert (out / "keep.txt").read_text() == "x" and len(list(out.iterdir())) == 1
+
+
+def test_readme_documents_every_config_key():
+    import dataclasses
+
+    from raysim.config import DPConfig, RunConfig
+
+    readme = (ROOT / "README.md").read_text()
+    keys = [f.name for f in dataclasses.fields(RunConfig) if f.name not in ("dp", "methods")]
+    keys += [f"dp.{f.name}" for f in dataclasses.fields(DPConfig)]
+    missing = [k for k in keys if f"`{k}`" not in readme]
+    assert not missing, f"README config reference lacks {missing}"
