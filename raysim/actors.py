@@ -161,24 +161,33 @@ class ClientHost:
             self.private[cid] = self.method.init_private(self.env, self.data[cid], generator(self.cfg.seed, "init", cid))
         return self.private[cid]
 
-    def _privacy(self, cid: int, round_idx: int):
-        """The DP handle of this (round, client): calibrate sigma once, check the budget, count steps."""
-        from raysim.privacy.accountant import noise_multiplier
-        from raysim.privacy.dpsgd import DPSGD, NoDP
-        from raysim.privacy.ledger import PrivacyLedger, Release
+    def _ledger(self, cid: int):
+        from raysim.privacy.ledger import PrivacyLedger
 
         dp = self.cfg.dp
-        if not dp.enabled:
+        return self.ledgers.setdefault(cid, PrivacyLedger(dp.epsilon, dp.delta, dp.accountant))
+
+    def _rounds_for_calibration(self, cid: int) -> int:
+        return self.participation[cid] if self.cfg.dp.calibration == "participated" else self.cfg.rounds
+
+    def _privacy(self, cid: int, round_idx: int):
+        """The DP-SGD handle of this (round, client): calibrate sigma once, check the budget, count steps."""
+        from raysim.privacy.accountant import noise_multiplier
+        from raysim.privacy.dpsgd import DPSGD, NoDP
+        from raysim.privacy.ledger import Release
+
+        dp = self.cfg.dp
+        if not dp.enabled or dp.level != "sample":
             return NoDP(), None
         n = self.data[cid].num_train
         q = min(1.0, self.cfg.batch_size / n)
         steps = self.method.dp_steps_per_round(n)
         if cid not in self.sigmas:
-            rounds = self.participation[cid] if dp.calibration == "participated" else self.cfg.rounds
             self.sigmas[cid] = noise_multiplier(
-                epsilon=dp.epsilon, delta=dp.delta, sample_rate=q, steps=max(1, rounds * steps), accountant=dp.accountant
+                epsilon=dp.epsilon, delta=dp.delta, sample_rate=q,
+                steps=max(1, self._rounds_for_calibration(cid) * steps), accountant=dp.accountant,
             )
-        ledger = self.ledgers.setdefault(cid, PrivacyLedger(dp.epsilon, dp.delta, dp.accountant))
+        ledger = self._ledger(cid)
         ledger.check(Release("dpsgd", self.sigmas[cid], q, steps, round_idx))
         counter = {"steps": 0}
 
@@ -198,6 +207,35 @@ class ClientHost:
             ledger.record(Release("dpsgd", self.sigmas[cid], q, counter["steps"], round_idx))
 
         return handle, finish
+
+    def _client_level(self, cid: int, round_idx: int, upload: dict[str, torch.Tensor], shared: dict[str, torch.Tensor]):
+        """User-level LDP (dp.level=client): the update (upload - shared) is clipped to dp.clip as a whole
+        and noised before it leaves the client; one Gaussian release per participation, no sampling
+        amplification (the server, who samples, is the adversary)."""
+        from raysim.errors import ConfigError
+        from raysim.privacy.client_level import client_level_release, client_level_sigma, noise_update
+
+        dp = self.cfg.dp
+        if not (dp.enabled and dp.level == "client"):
+            return upload
+        bad = [k for k, v in upload.items() if k not in shared or shared[k].shape != v.shape]
+        if bad:
+            raise ConfigError(
+                f"dp.level=client privatises updates of the shared state, but {self.method.name} uploads {bad}, "
+                "which are not updates of it; use dp.level=sample"
+            )
+        if cid not in self.sigmas:
+            self.sigmas[cid] = client_level_sigma(
+                epsilon=dp.epsilon, delta=dp.delta, participation=1.0,
+                rounds=max(1, self._rounds_for_calibration(cid)), accountant=dp.accountant,
+            )
+        release = client_level_release(self.sigmas[cid], participation=1.0, round=round_idx)
+        ledger = self._ledger(cid)
+        ledger.check(release)
+        delta = {k: v.detach().cpu() - shared[k].detach().cpu() for k, v in upload.items()}
+        noisy = noise_update(delta, clip=dp.clip, sigma=self.sigmas[cid], generator=generator(self.cfg.seed, "dp-update", round_idx, cid))
+        ledger.record(release)
+        return {k: shared[k].detach().cpu() + noisy[k] for k in upload}
 
     def epsilon(self, cid: int) -> float:
         ledger = self.ledgers.get(cid)
@@ -219,7 +257,7 @@ class ClientHost:
             )
             if finish is not None:
                 finish()
-            tensors = check_upload(self.method, cid, result.upload)
+            tensors = self._client_level(cid, round_idx, check_upload(self.method, cid, result.upload), shared)
             self.private[cid] = result.private
             self.dirty.add(cid)
             up = Upload(cid, tensors, int(result.num_samples), dict(result.metrics))

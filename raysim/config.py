@@ -38,6 +38,9 @@ class DPConfig:
     # Steps used to calibrate sigma: "participated" = the rounds a client really takes part in
     # (fedsept.txt appendix B.2); "all_rounds" = every round, as the official code does (conservative).
     calibration: str = "participated"
+    # "sample": DP-SGD on the uploaded parameters (example-level, the papers' setting);
+    # "client": clip the whole uploaded update to `clip` and add Gaussian noise (user-level LDP).
+    level: str = "sample"
 
     @property
     def enabled(self) -> bool:
@@ -327,6 +330,7 @@ def validate(cfg: RunConfig) -> None:
     _check(dp.accountant in ACCOUNTANTS, f"dp.accountant must be one of {', '.join(ACCOUNTANTS)}, got {dp.accountant!r}")
     _check(dp.microbatch >= 1, f"dp.microbatch must be >= 1, got {dp.microbatch}")
     _check(dp.calibration in ("participated", "all_rounds"), "dp.calibration must be participated or all_rounds")
+    _check(dp.level in ("sample", "client"), f"dp.level must be sample or client, got {dp.level!r}")
     opts = cfg.method_options()
     check = getattr(opts, "validate", None)
     if callable(check):

@@ -146,3 +146,23 @@ def test_prompt_learner_matches_plain_text_encoding():
     assert feats.shape == (3, 3, env.feature_dim)
     assert torch.allclose(feats[1], env.prompts.text_features(ctx[1]), atol=1e-5)
     assert math.isclose(float(feats.norm(dim=-1).mean()), 1.0, rel_tol=1e-5)
+
+
+def test_run_stops_before_a_release_past_the_budget(tmp_path, cache_dir):
+    """sigma is calibrated for the rounds a client takes part in; extending the run would overspend."""
+    from raysim.engine import resume_config
+    from raysim.errors import PrivacyBudgetExceeded
+
+    out = run(tiny_config(tmp_path, cache_dir, rounds=2, **{"dp": {"epsilon": 1.0}})).out_dir
+    before = read_rows(out / "results.csv")
+    with pytest.raises(PrivacyBudgetExceeded, match="epsilon"):
+        run(resume_config(out, {"rounds": 4}))
+    assert read_rows(out / "results.csv") == before  # nothing trained past the budget was recorded
+
+
+def test_client_level_dp_noises_the_update_and_records_it(tmp_path, cache_dir):
+    cfg = tiny_config(tmp_path, cache_dir, rounds=2, **{"dp": {"epsilon": 4.0, "level": "client", "clip": 0.1}})
+    out = run(cfg).out_dir
+    rows = read_rows(out / "client_results.csv")
+    eps = [float(r["epsilon"]) for r in rows if r["round"] == "1"]
+    assert all(0 < e <= 4.0 + 1e-6 for e in eps)
