@@ -14,6 +14,10 @@ from raysim.methods.base import (
 
 from raysim.methods import promptfl  # noqa: F401,E402
 from raysim.methods import fedsept  # noqa: F401,E402
+from raysim.methods import fedtsp  # noqa: F401,E402
+from raysim.methods import fedproto  # noqa: F401,E402
+from raysim.methods import fedtgp  # noqa: F401,E402
+from raysim.methods import local  # noqa: F401,E402
 
 
 def get_method(name: str) -> type[Method]:

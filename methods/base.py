@@ -116,6 +116,7 @@ class Method:
     name: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
     uploads: ClassVar[tuple[str, ...]] = ()  # every tensor a client may send to the server
+    server_only: ClassVar[tuple[str, ...]] = ()  # keys (or "prefix" for prefix.*) kept on the server, never broadcast
     input: ClassVar[str] = "features"  # "features" (frozen CLIP image features) or "images"
 
     def __init__(self, train: TrainConfig, options: Any) -> None:

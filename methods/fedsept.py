@@ -25,9 +25,11 @@ from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, LocalResult, register_method
 from raysim.methods.common import ClipPromptMethod, sgd, weighted_mean
 from raysim.models.fedsept_modules import (
+    add_grads,
     diversity_loss,
     expert_prompts,
     gate_loss,
+    grads_of,
     hard_top1,
     logit_fusion,
     make_router,
@@ -63,7 +65,7 @@ class FedSEPTOptions:
         check(self.experts >= 1, f"fedsept.experts must be >= 1, got {self.experts}")
         check(self.rank >= 1, f"fedsept.rank must be >= 1, got {self.rank}")
         check(self.lambda_div >= 0, f"fedsept.lambda_div must be >= 0, got {self.lambda_div}")
-        check(self.lambda_gate >= 0, f"fedsept.lambda_gate must be >= 0 (0 = official code), got {self.lambda_gate}")
+        check(self.lambda_gate >= 0, f"fedsept.lambda_gate must be >= 0 (0 = the official code), got {self.lambda_gate}")
         check(self.div_reduction in ("sum", "mean"), f"fedsept.div_reduction must be sum or mean, got {self.div_reduction!r}")
         check(self.router in ("pooled", "patch"), f"fedsept.router must be pooled or patch, got {self.router!r}")
         check(
@@ -111,9 +113,9 @@ class FedSEPT(ClipPromptMethod):
         if not self.low_rank:
             return None
         B0 = getattr(self, "B0", None)
-        if B0 is None or B0.shape != (self.opts.rank, env.ctx_width):
-            B0 = public_basis(self.opts.basis_seed, self.opts.rank, env.ctx_width)
-        return B0.to(env.device)
+        if B0 is None or B0.shape != (self.opts.rank, env.ctx_width) or B0.device != env.device:
+            self.B0 = B0 = public_basis(self.opts.basis_seed, self.opts.rank, env.ctx_width).to(env.device)
+        return B0
 
     # -- server half -------------------------------------------------------------------------
     def init_shared(self, env, rng):
@@ -175,15 +177,11 @@ class FedSEPT(ClipPromptMethod):
                     logits, pi = self.forward(env, A, R, router, x[idx])
                     ce = F.cross_entropy(logits, y[idx], reduction="none")
                     loss = ce + o.lambda_div * diversity_loss(A, self.M, o.div_reduction)  # per sample, before clipping
-                    gate_grads = None
-                    if router_params and o.lambda_gate > 0:  # non-DP loss of the router only
-                        gate_grads = torch.autograd.grad(o.lambda_gate * gate_loss(pi), router_params, retain_graph=True, allow_unused=True)
+                    gate = o.lambda_gate * gate_loss(pi) if router_params and o.lambda_gate > 0 else None
+                    gate_grads = grads_of(gate, router_params)  # the router's non-DP loss only
                     opt.zero_grad(set_to_none=True)
                     privacy.backward(loss, dp_params=[A], other_params=params[1:] + router_params)  # Eq. 11
-                    if gate_grads is not None:
-                        for p, g in zip(router_params, gate_grads):
-                            if g is not None:
-                                p.grad = g if p.grad is None else p.grad + g
+                    add_grads(router_params, gate_grads)
                     opt.step()
                     losses.append(loss.mean().item())
         new_private = dict(private)
@@ -202,7 +200,9 @@ class FedSEPT(ClipPromptMethod):
         """The evaluated model: global A with the client's own R and router (SPEC 1.8)."""
         A = shared["A"].to(env.device)
         R = private["R"].to(env.device) if self.has_residual else None
-        router = self._router(env, torch.Generator().manual_seed(0), private["router"]).eval() if self.has_router else None
+        router = None
+        if self.has_router:
+            router = self._router(env, torch.Generator(), private["router"]).eval().requires_grad_(False)
         text = None
         if self.opts.fusion == "logit" and self.opts.cache_text:  # computed once, reused for every batch
             with torch.no_grad():

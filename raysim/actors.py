@@ -319,36 +319,49 @@ class ClientHost:
         return {"device": str(self.device), "clients": self.clients, "cuda": torch.cuda.is_available()}
 
 
+def server_classnames(method: Method, classnames: list[str]) -> list[str]:
+    """What the server may know of the classes: their names, or only how many there are (a method
+    whose privacy model hides class names from the server sets `server_needs_classnames = False`)."""
+    if getattr(method, "server_needs_classnames", True):
+        return list(classnames)
+    return [f"class {i}" for i in range(len(classnames))]
+
+
 class ServerHost:
-    """Holds the global shared state, aggregates uploads in client-id order, runs server-side training."""
+    """Holds the global state, aggregates uploads in client-id order, runs server-side training.
+
+    Keys a method lists in `server_only` (e.g. a generator's weights) are kept and checkpointed here but
+    never broadcast, so they do not count as communication."""
 
     def __init__(self, cfg: RunConfig, classnames: list[str], out_dir: str, resume_round: int = -1) -> None:
         torch.set_num_threads(cfg.num_threads)
         self.cfg = cfg
         self.method = make_method(cfg)
-        spec = env_spec(cfg, classnames)
+        spec = env_spec(cfg, server_classnames(self.method, classnames))
         self.env = self.method.build_env(spec, role="server")
         self.store = StateStore(out_dir)
         saved = self.store.load_server(resume_round) if resume_round >= 0 else None
         if saved is not None:
-            self.shared = saved
+            self.state = saved
         else:
-            self.shared = {
+            self.state = {
                 k: v.detach().cpu() for k, v in self.method.init_shared(self.env, generator(cfg.seed, "server-init")).items()
             }
 
     def get_shared(self) -> dict[str, torch.Tensor]:
-        return self.shared
+        """The broadcast part of the server state."""
+        hidden = tuple(self.method.server_only)
+        return {k: v for k, v in self.state.items() if not any(k == h or k.startswith(h + ".") for h in hidden)}
 
     def aggregate(self, round_idx: int, *upload_lists: list[Upload]) -> dict[str, Any]:
         uploads = sorted((u for lst in upload_lists for u in lst), key=lambda u: u.client_id)
         for u in uploads:
             check_upload(self.method, u.client_id, u.tensors)
-        down = sum(t.numel() * t.element_size() for t in self.shared.values()) * len(uploads)
+        down = sum(t.numel() * t.element_size() for t in self.get_shared().values()) * len(uploads)
         if uploads:
-            new = self.method.aggregate(self.env, self.shared, uploads, generator(self.cfg.seed, "server", round_idx))
-            self.shared = {k: v.detach().cpu() for k, v in new.items()}
+            new = self.method.aggregate(self.env, self.state, uploads, generator(self.cfg.seed, "server", round_idx))
+            self.state = {k: v.detach().cpu() for k, v in new.items()}
         return {"bytes_up": sum(u.nbytes() for u in uploads), "bytes_down": down}
 
     def commit(self, round_idx: int) -> None:
-        self.store.save_server(round_idx, self.shared)
+        self.store.save_server(round_idx, self.state)

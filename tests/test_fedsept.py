@@ -210,9 +210,11 @@ def test_cache_uncached_and_fusion_semantics(env):
 
 
 def test_patch_router_needs_patch_tokens():
-    opts = get_method("fedsept").Options(router="patch")
+    from raysim.config import build_config
+
     with pytest.raises(ConfigError, match="patch"):
-        opts.validate()
+        build_config(dict(method="fedsept", fedsept={"router": "patch"}))
+    assert build_config(dict(method="fedsept", fedsept={"rank": 8})).method_options().rank == 8
     for bad in (dict(experts=0), dict(variant="moe"), dict(fusion="x"), dict(div_reduction="max"), dict(lambda_gate=-1)):
         with pytest.raises(ConfigError):
             dataclasses.replace(get_method("fedsept").Options(), **bad).validate()

@@ -120,6 +120,22 @@ def prompt_fusion(prompts, scale: float, feats: Tensor, P: Tensor, pi: Tensor, c
     return torch.cat(out, dim=0)
 
 
+# -- gradients outside the DP handle ---------------------------------------------------------
+
+def grads_of(loss: Optional[Tensor], params: list[Tensor]) -> Optional[list[Optional[Tensor]]]:
+    """Gradients of an extra loss w.r.t. `params`, keeping the graph for the main backward."""
+    if loss is None or not params:
+        return None
+    return list(torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True))
+
+
+def add_grads(params: list[Tensor], grads: Optional[list[Optional[Tensor]]]) -> None:
+    """p.grad += g for every pair (after the DP handle has written its gradients)."""
+    for p, g in zip(params, grads or []):
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad + g
+
+
 # -- reproducibility -------------------------------------------------------------------------
 
 @contextlib.contextmanager

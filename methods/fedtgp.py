@@ -1,0 +1,120 @@
+"""FedTGP (Zhang et al.): trainable global prototypes with an adaptive margin (SPEC 3.5).
+
+Client   As FedProto: L = CE + lambda * MSE(f_i(x), P_g[y]); uploads class means of f_i(x) and counts.
+Server   Keeps a prototype generator G: class embedding (C x d) -> Linear(d, h) -> ReLU -> Linear(h, d).
+         Each round: the per-class average of the uploads gives gap_c = the distance from class c's
+         average to the nearest other class's average; margin = min(max_c gap_c, threshold). Then
+         `server_epochs` epochs of SGD over the uploaded (client, class) prototypes p with label y, in
+         mini-batches of the run's batch size, of CE over classes c' of -(||p - G(c')|| + margin [c' = y]).
+         G(c) for every class is broadcast as P_g.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from raysim.errors import ConfigError
+from raysim.methods.base import register_method
+from raysim.methods.fedproto import FedProto, validate_common
+from raysim.methods.hetero import aggregate_prototypes, stack_uploads
+
+
+@dataclass
+class Options:
+    lam: float = 1.0
+    model_family: str = "HtFE2"  # HtFE2 | HtFE3 | HtFE4 | HtFE9 | tiny
+    feature_dim: int = 512
+    client_lr: float = 0.01
+    shuffle: bool = False
+    server_epochs: int = 100
+    server_lr: float = 0.01
+    server_hidden: int = 512
+    margin_threshold: float = 100.0
+
+    def validate(self) -> None:
+        validate_common(self, "fedtgp")
+        if self.server_epochs < 0 or self.server_hidden < 1 or not self.server_lr > 0 or self.margin_threshold < 0:
+            raise ConfigError("fedtgp: server_epochs >= 0, server_hidden >= 1, server_lr > 0, margin_threshold >= 0")
+
+
+class PrototypeGenerator(nn.Module):
+    def __init__(self, num_classes: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(num_classes, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, dim))
+
+    def forward(self) -> Tensor:
+        return self.mlp(self.emb.weight)
+
+
+def adaptive_margin(avg: Tensor, has: Tensor, threshold: float) -> float:
+    """min(max_c gap_c, threshold), gap_c = distance from class c's average to the nearest other class's."""
+    a = avg[has]
+    if a.shape[0] < 2:
+        return 0.0
+    d = torch.cdist(a, a)
+    d.fill_diagonal_(float("inf"))
+    return float(min(float(d.min(1).values.max()), threshold))
+
+
+def margin_loss(feats: Tensor, labels: Tensor, protos: Tensor, margin: float) -> Tensor:
+    dist = torch.cdist(feats, protos)
+    dist = dist + margin * F.one_hot(labels, protos.shape[0]).to(dist.dtype)
+    return F.cross_entropy(-dist, labels)
+
+
+@register_method
+class FedTGP(FedProto):
+    name = "fedtgp"
+    Options = Options
+    uploads = ("protos", "counts")
+    server_only = ("gen",)  # the generator trains and stays on the server; clients get its prototypes
+
+    def _generator(self, env, shared=None, rng=None) -> PrototypeGenerator:
+        with torch.random.fork_rng(devices=[]):
+            if rng is not None:
+                torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
+            g = PrototypeGenerator(env.num_classes, env.feature_dim, self.opts.server_hidden)
+        if shared is not None:
+            g.load_state_dict({k[4:]: v for k, v in shared.items() if k.startswith("gen.")})
+        return g.to(env.device)
+
+    def init_shared(self, env, rng):
+        g = self._generator(env, rng=rng)
+        return {
+            "protos": torch.zeros(env.num_classes, env.feature_dim),
+            "has": torch.zeros(env.num_classes),
+            "margin": torch.zeros(1),
+            **{f"gen.{k}": v.detach().cpu() for k, v in g.state_dict().items()},
+        }
+
+    def aggregate(self, env, shared, uploads, rng):
+        protos, counts = stack_uploads(uploads)
+        avg, has = aggregate_prototypes(protos, counts, "uniform")
+        margin = adaptive_margin(avg, has, self.opts.margin_threshold)
+        held = counts > 0
+        feats, labels = protos[held].float().to(env.device), held.nonzero()[:, 1].to(env.device)
+        g = self._generator(env, shared)
+        g.train()
+        opt = torch.optim.SGD(g.parameters(), lr=self.opts.server_lr)
+        bs = self.train.batch_size
+        for _ in range(self.opts.server_epochs):
+            perm = torch.randperm(len(labels), generator=rng).to(env.device)
+            for i in range(0, len(labels), bs):
+                idx = perm[i : i + bs]
+                loss = margin_loss(feats[idx], labels[idx], g(), margin)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+        with torch.no_grad():
+            out = g().cpu()
+        return {
+            "protos": out,
+            "has": ((shared["has"].cpu() > 0.5) | has).float(),
+            "margin": torch.tensor([margin]),
+            **{f"gen.{k}": v.detach().cpu() for k, v in g.state_dict().items()},
+        }

@@ -1,0 +1,136 @@
+"""What the heterogeneous-model methods (FedTSP, FedProto, FedTGP, local) share: the client's own model
+from the zoo (client i gets model i mod X, SPEC 2.5), its training loop (plain SGD, fresh each round,
+SPEC 2.4), per-class feature means, and the server's holders-only prototype average."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from raysim.errors import ConfigError
+from raysim.methods.base import ClientData, EnvSpec, Method, Upload
+from raysim.models.zoo import HtModel, arch_of, make_client_model
+from raysim.sampling import batch_indices, batches_per_epoch
+
+
+@dataclass
+class HtEnv:
+    """Per host: the device, the class count, d, and a cache of built client models (weights live in
+    each client's private state; the cache only saves rebuilding modules every round)."""
+
+    device: torch.device
+    num_classes: int
+    feature_dim: int
+    models: dict[int, HtModel] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def aggregate_prototypes(protos: Tensor, counts: Tensor, weighting: str = "samples") -> tuple[Tensor, Tensor]:
+    """protos: (K, C, d) client class means; counts: (K, C) samples behind each -> (P (C, d), has (C,)).
+
+    Only the clients holding class c enter P_c: "samples" weights them by n_{k,c} / sum_j n_{j,c}
+    (fedtsp.txt Eq. 6), "uniform" takes their plain mean (the official code). Classes nobody holds are 0."""
+    holders = counts > 0
+    w = counts.float() if weighting == "samples" else holders.float()
+    w = w * holders
+    total = w.sum(0)
+    w = w / total.clamp_min(1e-12)
+    return torch.einsum("kc,kcd->cd", w, protos.float()), total > 0
+
+
+def stack_uploads(uploads: list[Upload], key: str = "protos") -> tuple[Tensor, Tensor]:
+    return torch.stack([u.tensors[key] for u in uploads]), torch.stack([u.tensors["counts"] for u in uploads])
+
+
+class HeteroMethod(Method):
+    """Base of methods that train a client-owned model of the zoo on raw images."""
+
+    input = "images"
+    image_size = 32
+
+    # -- env -------------------------------------------------------------------------------
+    def feature_dim(self, spec: EnvSpec) -> int:
+        return int(self.opts.feature_dim)
+
+    def build_env(self, spec: EnvSpec, *, role: str) -> HtEnv:
+        return HtEnv(torch.device(spec.device), len(spec.classnames), self.feature_dim(spec))
+
+    # -- the client's model ------------------------------------------------------------------
+    def init_private(self, env: HtEnv, data: ClientData, rng: torch.Generator) -> dict[str, Any]:
+        arch = arch_of(self.opts.model_family, data.client_id)
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
+        model = make_client_model(arch, env.feature_dim, data.num_classes, image_size=self.image_size, seed=seed)
+        return {"client": data.client_id, "arch": arch, "model": _snapshot(model)}
+
+    def model(self, env: HtEnv, private: dict[str, Any]) -> HtModel:
+        cid = int(private["client"])
+        m = env.models.get(cid)
+        if m is None or m.arch != private["arch"]:
+            m = make_client_model(private["arch"], env.feature_dim, env.num_classes, image_size=self.image_size)
+            env.models[cid] = m
+        m.load_state_dict(private["model"])
+        return m.to(env.device)
+
+    def train_model(
+        self,
+        env: HtEnv,
+        model: HtModel,
+        data: ClientData,
+        rng: torch.Generator,
+        extra_loss: Optional[Callable[[Tensor, Tensor], Tensor]] = None,
+        privacy: Any = None,
+    ) -> float:
+        """E local epochs of CE(h(f(x)), y) + extra_loss(f(x), y); plain SGD at the client lr, fresh each
+        round; drop_last batches, in the data's order (the official loaders) or shuffled (`shuffle`)."""
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=self.opts.client_lr)
+        if privacy is not None and getattr(privacy, "enabled", False):
+            raise ConfigError(f"{self.name} does not run DP-SGD on client models: leave dp.epsilon=inf")
+        n, bs = data.num_train, self.train.batch_size
+        losses = []
+        for _ in range(self.train.local_epochs):
+            if self.opts.shuffle:
+                batches = list(batch_indices(n, bs, rng))
+            else:
+                batches = [torch.arange(i * bs, min(n, (i + 1) * bs)) for i in range(batches_per_epoch(n, bs))]
+            for idx in batches:
+                if len(idx) < 2:  # BatchNorm cannot train on one sample
+                    continue
+                x, y = data.x_train[idx].to(env.device), data.y_train[idx].to(env.device)
+                feats, logits = model(x)
+                loss = F.cross_entropy(logits, y)
+                if extra_loss is not None:
+                    loss = loss + extra_loss(feats, y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                losses.append(float(loss.detach()))
+        return sum(losses) / max(1, len(losses))
+
+    @torch.no_grad()
+    def class_means(self, env: HtEnv, model: HtModel, data: ClientData, batch: int = 256) -> tuple[Tensor, Tensor]:
+        """(C, d) mean of f(x) per class over the client's training set (eval mode), and (C,) counts."""
+        model.eval()
+        C = data.num_classes
+        sums = torch.zeros(C, env.feature_dim)
+        for i in range(0, data.num_train, batch):
+            f = model.features(data.x_train[i : i + batch].to(env.device)).float().cpu()
+            sums.index_add_(0, data.y_train[i : i + batch], f)
+        counts = torch.bincount(data.y_train, minlength=C).float()
+        return sums / counts.clamp_min(1)[:, None], counts
+
+    def predictor(self, env: HtEnv, shared: dict[str, Tensor], private: dict[str, Any]):
+        """Logits of the client's own head (the cache holds one module per client, so it is not shared)."""
+        model = self.model(env, private).eval()
+        return lambda x: model(x.to(env.device))[1]
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+snapshot = _snapshot

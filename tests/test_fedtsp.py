@@ -1,0 +1,337 @@
+"""FedTSP, FedProto, FedTGP and local training: prompt insertion, server loss, prototype aggregation, the
+client zoo, the private embedding release, and short end-to-end runs on the bundled digits."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from raysim.methods.base import ClientData, EnvSpec, TrainConfig, Upload  # noqa: E402
+from raysim.models.clip import ModelSpec  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------- PLMs
+@pytest.fixture(scope="module")
+def clip_plm():
+    from raysim.models.plm import load_plm
+
+    return load_plm("clip", model="raysim-tiny")
+
+
+@pytest.fixture(scope="module")
+def bert_plm():
+    from raysim.models.plm import load_plm
+
+    return load_plm("bert")
+
+
+PROMPTS = [["A photo of a zero: a round loop.", "A photo of a zero: an oval."], ["A photo of a one: a line."],
+           ["A photo of a two: a hook over a bar.", "A photo of a two: curved."]]
+
+
+@pytest.mark.parametrize("which", ["clip", "bert"])
+def test_prompt_insertion_overwrites_exactly_positions_0_to_m_minus_1(which, clip_plm, bert_plm):
+    from raysim.models.plm import TextPrototypes
+
+    plm = clip_plm if which == "clip" else bert_plm
+    text = TextPrototypes.from_texts(plm, PROMPTS)
+    m = 3
+    prompts = torch.randn(3, m, plm.width)
+    full = text.embeddings(prompts)
+    assert full.shape == text.base.shape
+    for n, c in enumerate(text.class_index.tolist()):
+        assert torch.equal(full[n, :m], prompts[c])  # the class's own vectors, SOT/[CLS] included
+        assert torch.equal(full[n, m:], text.base[n, m:])  # everything after is untouched
+    # m = 0 leaves the prompts alone; the prototypes are the mean of the k raw features per class
+    assert torch.equal(text.embeddings(prompts[:, :0]), text.base)
+    with torch.no_grad():
+        feats = plm.encode(full, text.aux)
+        protos = text(prompts)
+    assert protos.shape == (3, plm.out_dim)
+    assert torch.allclose(protos[0], feats[:2].mean(0), atol=1e-5)
+    assert torch.allclose(protos[2], feats[3:5].mean(0), atol=1e-5)
+    # gradients reach the prompt vectors through the frozen PLM, and nothing else trains
+    v = prompts.clone().requires_grad_(True)
+    text(v).sum().backward()
+    assert v.grad is not None and v.grad.abs().sum() > 0
+    assert all(p.grad is None for p in plm.parameters())
+
+
+def test_clip_eot_pooling_and_bert_features(clip_plm, bert_plm):
+    emb, eot = clip_plm.embed(["A photo of a cat.", "A photo of a very small dog."])
+    assert emb.shape[1] == int(eot.max()) + 1 and emb.shape[-1] == clip_plm.width
+    emb, lengths = bert_plm.embed(["a cat", "a very small dog"])
+    assert bert_plm.out_dim == 384 and emb.shape[-1] == 384 and lengths.tolist() == [4, 6]
+    # the clean option feeds word embeddings; the quirk feeds the full embedding-module output
+    from raysim.models.plm import BertPLM
+
+    quirk = BertPLM(double_embedding=True)
+    e2, _ = quirk.embed(["a cat"])
+    assert not torch.allclose(e2, bert_plm.embed(["a cat"])[0])
+
+
+# ---------------------------------------------------------------------------------------- server loss
+def _hand_loss(img, text, s, direction):
+    def cos(a, b):
+        return sum(x * y for x, y in zip(a, b)) / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+
+    n = len(img)
+    L = [[math.exp(s) * cos(img[i], text[j]) for j in range(n)] for i in range(n)]
+
+    def ce_rows(M):
+        return sum(-M[i][i] + math.log(sum(math.exp(v) for v in M[i])) for i in range(n)) / n
+
+    i2t = ce_rows(L)
+    t2i = ce_rows([[L[j][i] for j in range(n)] for i in range(n)])
+    return {"image_to_text": i2t, "text_to_image": t2i, "symmetric": (i2t + t2i) / 2}[direction]
+
+
+@pytest.mark.parametrize("direction", ["image_to_text", "text_to_image", "symmetric"])
+def test_server_loss_matches_hand_computation(direction):
+    from raysim.methods.fedtsp import alignment_loss
+
+    img = [[1.0, 0.0], [0.6, 0.8], [0.0, -1.0]]
+    text = [[1.0, 0.2], [0.0, 1.0], [-0.5, -1.0]]
+    s = math.log(3.0)
+    got = alignment_loss(torch.tensor(img), torch.tensor(text), torch.tensor([s]), direction=direction)
+    assert float(got) == pytest.approx(_hand_loss(img, text, s, direction), rel=1e-5)
+
+
+def test_server_loss_directions_differ_and_subset_labels():
+    from raysim.methods.fedtsp import alignment_loss
+
+    img = torch.tensor([[1.0, 0.0], [0.6, 0.8], [0.0, -1.0]])
+    text = torch.tensor([[1.0, 0.2], [0.0, 1.0], [-0.5, -1.0]])
+    s = torch.tensor([math.log(3.0)])
+    a = alignment_loss(img, text, s, direction="image_to_text")
+    b = alignment_loss(img, text, s, direction="text_to_image")
+    assert abs(float(a) - float(b)) > 1e-3  # L is not symmetric, so the direction matters
+    # image prototypes of classes {0, 2} only: image->text still normalises over all 3 text classes
+    sub = alignment_loss(img[[0, 2]], text, s, torch.tensor([0, 2]), "image_to_text")
+    L = s.exp() * torch.nn.functional.normalize(img[[0, 2]], dim=-1) @ torch.nn.functional.normalize(text, dim=-1).t()
+    want = -(L[0, 0] - L[0].logsumexp(0) + L[1, 2] - L[1].logsumexp(0)) / 2
+    assert float(sub) == pytest.approx(float(want), rel=1e-6)
+
+
+# --------------------------------------------------------------------------------- prototype averaging
+def test_prototype_aggregation_holders_only_weighted_and_uniform():
+    from raysim.methods.hetero import aggregate_prototypes
+
+    protos = torch.tensor([[[1.0, 0.0], [0.0, 0.0], [9.0, 9.0]],
+                           [[3.0, 0.0], [0.0, 2.0], [0.0, 0.0]]])  # (K=2, C=3, d=2)
+    counts = torch.tensor([[1.0, 0.0, 4.0], [3.0, 5.0, 0.0]])
+    p, has = aggregate_prototypes(protos, counts, "samples")
+    assert has.tolist() == [True, True, True]
+    assert torch.allclose(p[0], torch.tensor([(1 * 1 + 3 * 3) / 4, 0.0]))  # Eq. 6: n_{k,c} weights
+    assert torch.allclose(p[1], torch.tensor([0.0, 2.0]))  # only the holder counts (no shrinkage)
+    assert torch.allclose(p[2], torch.tensor([9.0, 9.0]))
+    q, _ = aggregate_prototypes(protos, counts, "uniform")
+    assert torch.allclose(q[0], torch.tensor([2.0, 0.0])) and torch.allclose(q[1], p[1])
+    _, has = aggregate_prototypes(protos, torch.tensor([[1.0, 0.0, 0.0], [1.0, 0.0, 0.0]]))
+    assert has.tolist() == [True, False, False]
+
+
+def test_fedproto_mse_and_fedtgp_margin():
+    from raysim.methods.fedproto import proto_mse
+    from raysim.methods.fedtgp import adaptive_margin, margin_loss
+
+    f = torch.tensor([[1.0, 1.0], [2.0, 0.0]])
+    P = torch.tensor([[0.0, 1.0], [5.0, 5.0]])
+    has = torch.tensor([True, False])
+    assert float(proto_mse(f, torch.tensor([0, 1]), P, has)) == pytest.approx((1.0 + 0 + 0 + 0) / 4)
+    avg = torch.tensor([[0.0, 0.0], [3.0, 4.0], [0.0, 1.0]])
+    assert adaptive_margin(avg, torch.tensor([True, True, True]), 100.0) == pytest.approx(math.sqrt(9 + 9))
+    assert adaptive_margin(avg, torch.tensor([True, True, True]), 2.0) == 2.0
+    loss = margin_loss(torch.zeros(1, 2), torch.tensor([0]), torch.tensor([[1.0, 0.0], [0.0, 2.0]]), 1.0)
+    assert float(loss) == pytest.approx(-math.log(math.exp(-2.0) / (math.exp(-2.0) + math.exp(-2.0))))
+
+
+# ----------------------------------------------------------------------------------------------- zoo
+def test_zoo_families_give_common_features_at_32px():
+    from raysim.models.zoo import FAMILIES, arch_of, make_client_model
+
+    assert arch_of("HtFE4", 5) == "googlenet" and arch_of("HtFE9", 10) == "resnet6"
+    archs = sorted({a for fam in FAMILIES.values() for a in fam} - {"resnet101", "resnet152"})
+    for arch in archs:  # (resnet101/152 only add Bottleneck blocks, covered by resnet50)
+        m = make_client_model(arch, 48, 7, seed=0).eval()
+        f, logits = m(torch.randn(2, 3, 32, 32))
+        assert f.shape == (2, 48) and logits.shape == (2, 7), arch
+    a = make_client_model("cnn_tiny", 16, 3, seed=1).state_dict()
+    b = make_client_model("cnn_tiny", 16, 3, seed=1).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the init depends on the seed only
+
+
+# ------------------------------------------------------------------------ private variant (section 3.5)
+class _Guarded(list):
+    """A class-name list whose only allowed use is len(): the server must never read a name."""
+
+    def __iter__(self):
+        raise AssertionError("the server read a class name")
+
+    def __getitem__(self, i):
+        raise AssertionError("the server read a class name")
+
+
+def test_private_release_path_server_never_sees_class_names():
+    from raysim.methods.fedtsp import FedTSP, Options
+    from raysim.privacy import PrivacyLedger, gaussian_sigma
+
+    names = ["zero", "one", "two"]
+    opts = Options(plm="bert", model_family="tiny", dp_epsilon=2.0, len_prompt=2)
+    opts.validate()
+    method = FedTSP(TrainConfig(batch_size=8), opts)
+    assert method.server_needs_classnames is False
+    server_env = method.build_env(EnvSpec(ModelSpec(), _Guarded(names), dataset="digits"), role="server")
+    assert server_env.text is None and server_env.classnames == []
+    shared = method.init_shared(server_env, torch.Generator().manual_seed(0))
+    assert float(shared["text_ready"]) == 0 and float(shared["text_request"]) == 1
+
+    client_env = method.build_env(EnvSpec(ModelSpec(), names, dataset="digits"), role="client")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 3, 32, 32)
+    y = torch.tensor([0, 1, 2] * 4)
+    data = ClientData(0, x, y, x[:3], y[:3], 3)
+    private = method.init_private(client_env, data, g)
+    res = method.local_train(client_env, shared, private, data, rng=g, privacy=None)
+    up = res.upload
+    assert {"text_emb", "text_aux", "text_class"} <= set(up) and up["text_class"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    ledger = PrivacyLedger.from_dict(res.private["ledger"])
+    assert ledger.epsilon() == pytest.approx(2.0) and ledger.releases[0].mechanism == "embedding"
+    sigma = gaussian_sigma(epsilon=2.0, delta=1e-5, clip=2.5)
+    assert float(up["text_emb"].std()) == pytest.approx(sigma, rel=0.05)  # the clipped signal is tiny next to it
+    # a client that is not the selected one releases nothing
+    other = ClientData(1, x, y, x[:3], y[:3], 3)
+    res1 = method.local_train(client_env, shared, method.init_private(client_env, other, g), other, rng=g, privacy=None)
+    assert set(res1.upload) == {"protos", "counts"}
+    # the server builds its text side from the release alone, trains, and stops asking
+    uploads = [Upload(0, up, 12), Upload(1, res1.upload, 12)]
+    new = method.aggregate(server_env, shared, uploads, torch.Generator().manual_seed(1))
+    assert server_env.text is not None and float(new["text_ready"]) == 1 and float(new["text_request"]) == 0
+    assert new["text_protos"].shape == (3, 384) and math.isfinite(float(new["server_loss"]))
+    assert not torch.equal(new["prompts"], shared["prompts"])
+    # the next round: the client trains against P^T and does not release again
+    res2 = method.local_train(client_env, new, res.private, data, rng=g, privacy=None)
+    assert set(res2.upload) == {"protos", "counts"}
+
+
+# ------------------------------------------------------------------------------------- end to end
+def _run(tmp_path, method, section, rounds=2, clients=4):
+    from raysim.config import build_config
+    from raysim.engine import run
+
+    cfg = build_config({
+        "method": method, "dataset": "digits", "partition": "dirichlet", "beta": 0.5, "shots": 0,
+        "num_clients": clients, "rounds": rounds, "backend": "inline", "out_dir": str(tmp_path / method),
+        "progress": False, "tensorboard": False, "cache_dir": str(tmp_path / "c"), "batch_size": 32,
+        "eval_every": 1, method: section,
+    })
+    res = run(cfg)
+    with open(res.out_dir / "client_results.csv") as f:
+        rows = list(csv.DictReader(f))
+    return res, rows
+
+
+@pytest.mark.parametrize("plm", ["bert", "clip"])
+def test_fedtsp_end_to_end(tmp_path, plm):
+    res, rows = _run(tmp_path, "fedtsp", {"plm": plm, "model_family": "tiny", "lam": 1.0})
+    assert len(rows) == 2 * 4 and {r["round"] for r in rows} == {"0", "1"}
+    assert res.summary["in_client"] > 0.2  # 10 classes: well above chance after two rounds
+    assert all(float(r["in_top5"]) >= float(r["in_client"]) for r in rows)
+    from raysim.store import StateStore
+
+    server = StateStore(res.out_dir).load_server(1)  # the server trained its prompts and temperature
+    assert math.isfinite(float(server["server_loss"])) and float(server["text_ready"]) == 1
+    assert server["text_protos"].shape == (10, 384 if plm == "bert" else 128)
+
+
+@pytest.mark.parametrize("method,section", [
+    ("fedproto", {"model_family": "tiny"}),
+    ("fedtgp", {"model_family": "tiny", "server_epochs": 3}),
+    ("local", {"model_family": "tiny"}),
+])
+def test_baselines_end_to_end(tmp_path, method, section):
+    res, rows = _run(tmp_path, method, section, rounds=1, clients=3)
+    assert len(rows) == 3 and res.summary["in_client"] > 0.15
+
+
+# ------------------------------------------------------------------------------- semantic structure
+def test_semantic_measures_on_toy_hierarchy():
+    from raysim.semantics import hierarchy_paths, semantic_alignment, semantic_gap, semantic_report, wu_palmer
+
+    paths = [("animal", "mammal", "cat"), ("animal", "mammal", "dog"), ("animal", "bird"), ("vehicle", "car")]
+    ref = wu_palmer(paths)
+    assert ref[0, 1] == pytest.approx(2 * 2 / 6) and ref[0, 2] == pytest.approx(2 * 1 / 5) and ref[0, 3] == 0
+    good = torch.tensor([[1.0, 0.1, 0.0], [1.0, 0.0, 0.1], [0.7, 0.7, 0.0], [-1.0, 0.0, 0.2]])
+    bad = good[[3, 1, 2, 0]]  # cat and car swapped
+    assert semantic_alignment(good, ref) > 0.8 > semantic_alignment(bad, ref)
+    sim = torch.tensor([[1.0, 0.8, 0.6, 0.1], [0.8, 1.0, 0.4, 0.3], [0.6, 0.4, 1.0, 0.2], [0.1, 0.3, 0.2, 1.0]])
+    groups = ["animal", "animal", "animal", "vehicle"]
+    assert semantic_gap(sim, groups) == pytest.approx((0.8 + 0.6 + 0.4) / 3 - (0.1 + 0.3 + 0.2) / 3)
+    names = ["cat", "dog", "airplane", "truck"]
+    assert [p[0] for p in hierarchy_paths("cifar10", names)] == ["animal", "animal", "vehicle", "vehicle"]
+    assert hierarchy_paths("cifar100", ["aquarium fish"])[0][1] == "fish"
+    rep = semantic_report(torch.randn(4, 8), "cifar10", names)
+    assert set(rep) == {"spearman", "semantic_gap"}
+
+
+def test_bundled_descriptions_cover_datasets():
+    from raysim.data.synthetic import CLASS_POOL
+    from raysim.data.digits import DIGIT_NAMES
+    from raysim.descriptions import class_prompts, load_descriptions
+    from raysim.semantics import CIFAR10_PATHS, CIFAR100_SUPERCLASSES
+
+    c100 = [c for cs in CIFAR100_SUPERCLASSES.values() for c in cs.split()]
+    for ds, names in [("digits", DIGIT_NAMES), ("cifar10", list(CIFAR10_PATHS)), ("cifar100", c100),
+                      ("synthetic-large", CLASS_POOL)]:
+        prompts = class_prompts(names, dataset=ds)
+        assert len(prompts) == len(names) and all(len(p) == 3 for p in prompts)
+    assert len(load_descriptions("cifar100")) == 100
+    assert class_prompts(["aquarium_fish"], dataset="cifar100")[0][0].startswith("A photo of a aquarium fish: ")
+    assert class_prompts(["sweet pepper"], handcrafted=True) == [["A photo of a sweet pepper."]]
+
+
+def test_llm_description_client_against_local_fake_server(tmp_path):
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from raysim.descriptions import class_prompts
+    from raysim.llm_descriptions import generate_descriptions
+
+    asked = []
+
+    class Fake(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            asked.append(body["messages"][0]["content"])
+            name = asked[-1].split("'")[1]
+            reply = {"choices": [{"message": {"content": json.dumps([f"{name} look {i}." for i in range(3)])}}]}
+            data = json.dumps(reply).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Fake)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/v1"
+        cache = tmp_path / "new.json"
+        out = generate_descriptions(["red_panda", "okapi"], cache, base_url=url, model="fake")
+        assert out["red panda"] == ["red panda look 0.", "red panda look 1.", "red panda look 2."]
+        assert len(asked) == 2
+        generate_descriptions(["red_panda", "okapi"], cache, base_url=url, model="fake")
+        assert len(asked) == 2  # cached: not asked again
+        assert class_prompts(["okapi"], path=cache)[0][1] == "A photo of a okapi: okapi look 1."
+    finally:
+        server.shutdown()
