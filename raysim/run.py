@@ -25,6 +25,7 @@ def build_parser(prog: str = "python raysim/run.py") -> argparse.ArgumentParser:
     )
     p.add_argument("--config", "-c", help="YAML file with config keys (key=value arguments override it)")
     p.add_argument("--sweep", help="YAML sweep file: run a Ray Tune sweep instead of one federation")
+    p.add_argument("--resume", action="store_true", help="with --sweep: continue that sweep's Tune experiment (Tuner.restore)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. rounds=5 dp.epsilon=1")
     return p
 
@@ -40,7 +41,11 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python raysim/run.py
         if args.sweep:
             from raysim.tune import run_sweep_file
 
-            return run_sweep_file(args.sweep, args.overrides)
+            return run_sweep_file(args.sweep, [*args.overrides, *(["--resume"] if args.resume else [])])
+        if args.resume:
+            from raysim.errors import ConfigError
+
+            raise ConfigError("--resume continues a sweep (with --sweep FILE); to continue a run pass resume=OUT_DIR")
         from raysim.config import config_from_cli, parse_overrides
         from raysim.engine import resume_config, run
 

@@ -1,0 +1,609 @@
+"""Ray Tune sweeps: `raysim sweep SWEEP.yaml [key=value ...]` (also `python raysim/run.py --sweep ...`).
+
+A sweep file::
+
+    name: epsilon                 # experiment folder <storage>/<name>
+    storage: runs/sweeps          # default
+    base: {method: promptfl, rounds: 20, num_actors: 2, dp: {delta: 1.0e-5}}
+    space:                        # any config key, dotted for sections
+      dp.epsilon: {grid: [0.25, 0.5, 0.75, 1.0, inf]}
+      seed: {choice: [1, 2, 3]}   # also {uniform: [lo, hi]}, {loguniform: [lo, hi]}
+    num_samples: 1                # samples of the random keys (grid keys are crossed with them)
+    metric: hm                    # reported once per round; mode: max
+    asha: {max_t: 20, grace_period: 10, reduction_factor: 2}   # optional early stopping
+    max_concurrent: null          # default: as many trials as the cluster can hold
+    restore: false                # true (or --resume): continue the experiment with Tuner.restore
+
+One trial is one federation (raysim.engine.run) whose ServerActor and ClientActors live in the trial's
+placement group: one small bundle for the trial driver, one for the server (when it reserves resources)
+and one per client actor, so a trial starts only when all of its actors fit, and never deadlocks.
+The run's out_dir is `<trial dir>/run` (results.csv, summary.md, tensorboard/ as for a plain run).
+
+Outputs in `<storage>/<name>/`: trials.csv and trials.md (one row per trial: swept values, final In /
+Cross / HM as in summary.md, epsilon spent, wall time) and hm_vs_<key>.png for every swept key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from raysim.config import build_config, deep_merge, load_yaml, parse_overrides
+from raysim.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+SWEEP_KEYS = (
+    "name", "description", "storage", "base", "space", "num_samples", "metric", "mode", "asha",
+    "max_concurrent", "restore",
+)
+DISTRIBUTIONS = ("grid", "choice", "uniform", "loguniform")
+ASHA_KEYS = ("max_t", "grace_period", "reduction_factor")
+# what each trial reports per round (tune.report); `metric` must be one of these
+METRICS = (
+    "hm", "in_client", "cross_client", "train_loss", "epsilon_max", "bytes_up", "bytes_down", "seconds",
+    "summary_hm", "summary_in_client", "summary_cross_client",
+)
+# config keys a sweep sets itself, per trial
+TRIAL_OWNED = ("out_dir", "resume")
+MIN_BUNDLE_CPU = 0.01  # Ray rejects empty bundles; the trial driver mostly waits on its actors
+TABLE_METRICS = ("in_client", "cross_client", "hm", "epsilon_spent", "rounds_done", "wall_s")
+
+
+# --------------------------------------------------------------------------------------------
+# sweep file -> validated spec
+
+def _did_you_mean(key: str, choices: Sequence[str]) -> str:
+    hint = difflib.get_close_matches(key, list(choices), n=1)
+    return f" Did you mean {hint[0]!r}?" if hint else ""
+
+
+def _set_dotted(d: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = d
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"space key {key!r}: {p} is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _get_dotted(d: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    node: Any = d
+    for p in key.split("."):
+        if not isinstance(node, Mapping) or p not in node:
+            return default
+        node = node[p]
+    return node
+
+
+def _number(v: Any, what: str) -> float:
+    if isinstance(v, bool):
+        raise ConfigError(f"{what} must be a number, got {v!r}")
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what} must be a number, got {v!r}") from None
+
+
+def _yaml_value(v: Any) -> Any:
+    """'inf' / '.inf' in a sweep file mean infinity, as in config files."""
+    if isinstance(v, str) and v.strip().lower() in ("inf", "+inf", ".inf", "infinity"):
+        return math.inf
+    return v
+
+
+def validate_sweep(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """Check a sweep spec at the edge; return it with defaults filled in. Raises ConfigError."""
+    if not isinstance(spec, Mapping):
+        raise ConfigError("a sweep file must hold a mapping with base: and space:")
+    for key in spec:
+        if key not in SWEEP_KEYS:
+            raise ConfigError(
+                f"unknown sweep key {key!r}.{_did_you_mean(str(key), SWEEP_KEYS)} "
+                f"Valid sweep keys: {', '.join(SWEEP_KEYS)} (config keys go under base: or space:)."
+            )
+    out: dict[str, Any] = {
+        "name": "sweep", "description": "", "storage": "runs/sweeps", "base": {}, "space": {}, "num_samples": 1,
+        "metric": "hm", "mode": "max", "asha": None, "max_concurrent": None, "restore": False,
+    }
+    out.update({k: v for k, v in spec.items() if v is not None or k in ("asha", "max_concurrent")})
+    base = out["base"] or {}
+    if not isinstance(base, Mapping):
+        raise ConfigError("base: must be a mapping of config keys (e.g. method: promptfl)")
+    base = {k: _yaml_value(v) for k, v in base.items()}
+    for k in TRIAL_OWNED:
+        if base.get(k):
+            raise ConfigError(f"base: {k} is set per trial by the sweep (each trial writes to <trial dir>/run); remove it")
+    cfg = build_config(base)  # unknown keys / bad values in base
+    space = out["space"]
+    if not isinstance(space, Mapping) or not space:
+        raise ConfigError("space: must map at least one config key to {grid: [...]}, {choice: [...]}, {uniform: [lo, hi]} or {loguniform: [lo, hi]}")
+    clean_space: dict[str, dict[str, list[Any]]] = {}
+    for key, dist in space.items():
+        key = str(key)
+        if key.split(".")[0] in TRIAL_OWNED:
+            raise ConfigError(f"space: {key} is set per trial by the sweep and cannot be swept")
+        if not isinstance(dist, Mapping) or len(dist) != 1 or next(iter(dist)) not in DISTRIBUTIONS:
+            raise ConfigError(
+                f"space: {key} must be one of {{grid: [...]}}, {{choice: [...]}}, {{uniform: [lo, hi]}}, "
+                f"{{loguniform: [lo, hi]}}; got {dist!r}"
+            )
+        kind, values = next(iter(dist.items()))
+        if not isinstance(values, (list, tuple)) or not values:
+            raise ConfigError(f"space: {key}.{kind} must be a non-empty list, got {values!r}")
+        values = [_yaml_value(v) for v in values]
+        if kind in ("uniform", "loguniform"):
+            if len(values) != 2:
+                raise ConfigError(f"space: {key}.{kind} takes [lo, hi], got {values!r}")
+            lo, hi = (_number(v, f"space: {key}.{kind} bound") for v in values)
+            if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+                raise ConfigError(f"space: {key}.{kind} needs finite lo < hi, got {values!r}")
+            if kind == "loguniform" and lo <= 0:
+                raise ConfigError(f"space: {key}.loguniform needs lo > 0, got {lo}")
+            values = [lo, hi]
+        for v in values:  # every value must make a valid config (unknown key, wrong type, out of range)
+            trial = deep_merge(base, {})
+            _set_dotted(trial, key, v)
+            try:
+                build_config(trial)
+            except ConfigError as e:
+                raise ConfigError(f"space: {key}={v!r}: {e}") from None
+        clean_space[key] = {kind: values}
+    out["base"], out["space"] = base, clean_space
+    if not isinstance(out["num_samples"], int) or isinstance(out["num_samples"], bool) or out["num_samples"] < 1:
+        raise ConfigError(f"num_samples must be an integer >= 1, got {out['num_samples']!r}")
+    if out["metric"] not in METRICS:
+        raise ConfigError(f"metric must be one of {', '.join(METRICS)}, got {out['metric']!r}")
+    if out["mode"] not in ("max", "min"):
+        raise ConfigError(f"mode must be max or min, got {out['mode']!r}")
+    if out["asha"] is not None:
+        asha = out["asha"]
+        if not isinstance(asha, Mapping):
+            raise ConfigError("asha: must be a mapping with max_t, grace_period, reduction_factor")
+        for k in asha:
+            if k not in ASHA_KEYS:
+                raise ConfigError(f"unknown asha key {k!r}.{_did_you_mean(str(k), ASHA_KEYS)} Valid: {', '.join(ASHA_KEYS)}")
+        rounds = max([cfg.rounds] + [int(v) for v in _space_values(clean_space, "rounds")])
+        asha = {"max_t": rounds, "grace_period": 1, "reduction_factor": 2, **asha}
+        for k in ASHA_KEYS:
+            v = asha[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 1:
+                raise ConfigError(f"asha.{k} must be a number >= 1, got {v!r}")
+        if asha["grace_period"] > asha["max_t"]:
+            raise ConfigError(f"asha.grace_period ({asha['grace_period']}) must be <= asha.max_t ({asha['max_t']})")
+        if asha["reduction_factor"] <= 1:
+            raise ConfigError(f"asha.reduction_factor must be > 1, got {asha['reduction_factor']}")
+        out["asha"] = {"max_t": int(asha["max_t"]), "grace_period": int(asha["grace_period"]),
+                       "reduction_factor": float(asha["reduction_factor"])}
+    mc = out["max_concurrent"]
+    if mc is not None and (isinstance(mc, bool) or not isinstance(mc, int) or mc < 1):
+        raise ConfigError(f"max_concurrent must be an integer >= 1 (or null for what the cluster holds), got {mc!r}")
+    if not isinstance(out["restore"], bool):
+        raise ConfigError(f"restore must be true or false, got {out['restore']!r}")
+    name = str(out["name"])
+    if not name or "/" in name or name in (".", ".."):
+        raise ConfigError(f"name must be a plain folder name, got {name!r}")
+    out["name"], out["storage"] = name, str(out["storage"])
+    # inside a trial the number of client actors is fixed by the config, never by the cluster size
+    for values in _trial_grid(base, clean_space):
+        c = build_config(values)
+        if c.backend == "ray" and c.placement == "pooled" and c.num_actors == 0:
+            raise ConfigError(
+                "a sweep needs a fixed number of client actors per trial: set num_actors (e.g. base: {num_actors: 2}) "
+                "or placement: actor_per_client"
+            )
+    return out
+
+
+def _space_values(space: Mapping[str, Mapping[str, list[Any]]], key: str) -> list[Any]:
+    dist = space.get(key)
+    if not dist:
+        return []
+    kind, values = next(iter(dist.items()))
+    return list(values)
+
+
+def _trial_grid(base: Mapping[str, Any], space: Mapping[str, Mapping[str, list[Any]]]) -> list[dict[str, Any]]:
+    """Configs at the corners of the space (every listed value, both bounds): for resource checks."""
+    import itertools
+
+    keys = list(space)
+    out = []
+    for combo in itertools.product(*[_space_values(space, k) for k in keys]):
+        values = deep_merge(dict(base), {})
+        for k, v in zip(keys, combo):
+            _set_dotted(values, k, v)
+        out.append(values)
+        if len(out) >= 256:
+            break
+    return out or [dict(base)]
+
+
+def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Read a sweep file; `key=value` overrides go to the sweep (name=, storage=, restore=, ...) when the
+    key is a sweep key and to `base:` otherwise (rounds=2, address=auto, dp.delta=1e-6, ...)."""
+    spec = dict(load_yaml(path))
+    items = [o for o in overrides if o != "--resume"]
+    if len(items) != len(overrides):
+        spec["restore"] = True
+    for key, value in parse_overrides(list(items)).items():
+        if key in SWEEP_KEYS:
+            if key == "base" or key == "space":
+                raise ConfigError(f"{key} cannot be overridden on the command line; set its keys directly (e.g. rounds=5)")
+            spec[key] = value
+        else:
+            spec["base"] = deep_merge(dict(spec.get("base") or {}), {key: value})
+    return spec
+
+
+# --------------------------------------------------------------------------------------------
+# resources
+
+def _flat_to_nested(flat: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in flat.items():
+        _set_dotted(out, k, v)
+    return out
+
+
+def trial_bundles(values: Mapping[str, Any], *, has_gpu: bool = True) -> list[dict[str, float]]:
+    """Placement-group bundles of one trial: [driver, (server), client actor x H]."""
+    cfg = build_config(values)
+    cg, sg = (cfg.client_gpus, cfg.server_gpus) if has_gpu else (0.0, 0.0)
+
+    def bundle(cpu: float, gpu: float) -> dict[str, float]:
+        b = {"CPU": float(cpu)} if cpu > 0 else {}
+        if gpu > 0:
+            b["GPU"] = float(gpu)
+        return b or {"CPU": MIN_BUNDLE_CPU}
+
+    if cfg.backend == "inline":  # the whole federation runs in the trial driver
+        return [bundle(max(cfg.client_cpus, MIN_BUNDLE_CPU), cg)]
+    hosts = cfg.num_clients if cfg.placement == "actor_per_client" else min(cfg.num_actors, cfg.num_clients)
+    bundles = [{"CPU": MIN_BUNDLE_CPU}]
+    if cfg.server_cpus > 0 or sg > 0:
+        bundles.append(bundle(cfg.server_cpus, sg))
+    bundles += [bundle(cfg.client_cpus, cg) for _ in range(max(1, hosts))]
+    return bundles
+
+
+def _totals(bundles: list[dict[str, float]]) -> dict[str, float]:
+    tot: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            tot[k] = tot.get(k, 0.0) + v
+    return tot
+
+
+def trials_that_fit(bundles: list[dict[str, float]], cluster: Mapping[str, float]) -> int:
+    need = _totals(bundles)
+    fits = [int(cluster.get(k, 0.0) // v + 1e-9) for k, v in need.items() if v > 0]
+    return max(0, min(fits)) if fits else 1
+
+
+# --------------------------------------------------------------------------------------------
+# one trial
+
+def federation(config: dict[str, Any], *, base: dict[str, Any], experiment_path: str) -> None:
+    """Tune function trainable: one federation; one tune.report per round."""
+    import numpy as np
+    from ray import tune
+
+    from raysim.engine import resume_config, run
+    from raysim.metrics import summarize
+
+    trial_dir = Path(experiment_path) / Path(tune.get_context().get_trial_dir()).name
+    run_dir = trial_dir / "run"
+    values = deep_merge(base, _flat_to_nested(config))
+    values["progress"] = False
+    if (run_dir / "config.yaml").is_file():  # restored trial: continue the federation where it stopped
+        cfg = resume_config(run_dir, {"progress": False})
+    else:
+        values["out_dir"] = str(run_dir)
+        cfg = build_config(values)
+    last: dict[str, float] = {"in_client": math.nan, "cross_client": math.nan, "hm": math.nan}
+    eps_spent = [math.nan]
+    t0 = time.perf_counter()
+
+    def on_round(row: dict[str, Any]) -> None:
+        for k in last:  # rounds without evaluation carry the last evaluated value forward
+            v = row.get(k)
+            if isinstance(v, float) and math.isfinite(v):
+                last[k] = v
+        e = row.get("epsilon_max")
+        if isinstance(e, float) and math.isfinite(e):
+            eps_spent[0] = e if not math.isfinite(eps_spent[0]) else max(eps_spent[0], e)
+        summary = summarize(run_dir / "results.csv", last=max(1, cfg.eval_last))  # as summary.md, so far
+        metrics = {
+            "round": int(row["round"]),
+            **last,
+            "evaluated": bool(np.isfinite(row.get("hm", math.nan))),
+            "train_loss": float(row.get("train_loss", math.nan)),
+            "bytes_up": int(row.get("bytes_up", 0)),
+            "bytes_down": int(row.get("bytes_down", 0)),
+            "epsilon_max": float(row.get("epsilon_max", math.nan)),
+            "epsilon_spent": eps_spent[0],
+            "seconds": float(row.get("seconds", math.nan)),
+            "summary_in_client": summary["in_client"],
+            "summary_cross_client": summary["cross_client"],
+            "summary_hm": summary["hm"],
+            "run_seconds": time.perf_counter() - t0,
+        }
+        tune.report(metrics)
+
+    run(cfg, on_round=on_round)
+
+
+# --------------------------------------------------------------------------------------------
+# the sweep
+
+def _search_space(space: Mapping[str, Mapping[str, list[Any]]]) -> dict[str, Any]:
+    from ray import tune
+
+    out: dict[str, Any] = {}
+    for key, dist in space.items():
+        kind, values = next(iter(dist.items()))
+        if kind == "grid":
+            out[key] = tune.grid_search(list(values))
+        elif kind == "choice":
+            out[key] = tune.choice(list(values))
+        elif kind == "uniform":
+            out[key] = tune.uniform(*values)
+        else:
+            out[key] = tune.loguniform(*values)
+    return out
+
+
+def _absolutize(base: dict[str, Any]) -> dict[str, Any]:
+    """Trials run with the trial folder as working directory: make relative paths absolute here."""
+    base = dict(base)
+    for key in ("data_root", "cache_dir"):
+        v = base.get(key)
+        if isinstance(v, str) and v and not v.startswith("~") and not os.path.isabs(v):
+            base[key] = os.path.abspath(v)
+    if "data_root" not in base:
+        base["data_root"] = os.path.abspath("./data")
+    p = base.get("pretrained")
+    if isinstance(p, str) and p and not os.path.isabs(p) and os.path.exists(p):
+        base["pretrained"] = os.path.abspath(p)
+    return base
+
+
+def run_sweep(spec: Mapping[str, Any], *, restore: Optional[bool] = None, verbose: int = 1) -> "pandas.DataFrame":
+    """Run (or restore) a sweep; write trials.csv, trials.md and the plots; return the trials table."""
+    import ray
+    from ray import tune
+
+    spec = validate_sweep(spec)
+    if restore is not None:
+        spec["restore"] = bool(restore)
+    base = _absolutize(spec["base"])
+    base_cfg = build_config(base)
+    storage = Path(spec["storage"]).expanduser().resolve()
+    exp_dir = storage / spec["name"]
+    can_restore = tune.Tuner.can_restore(str(exp_dir)) if exp_dir.exists() else False
+    if not spec["restore"] and exp_dir.exists() and any(exp_dir.iterdir()):
+        raise ConfigError(
+            f"sweep folder {exp_dir} already holds an experiment; pass --resume (or restore: true) to continue it, "
+            "or choose another name=/storage="
+        )
+    if spec["restore"] and not can_restore:
+        raise ConfigError(f"restore: no Tune experiment to restore in {exp_dir} (run the sweep once without --resume)")
+
+    started = False
+    if not ray.is_initialized():
+        kwargs: dict[str, Any] = dict(include_dashboard=False, configure_logging=False)
+        if base_cfg.address:
+            ray.init(address=base_cfg.address, **kwargs)
+        else:
+            ray.init(num_cpus=os.cpu_count(), **kwargs)
+        started = True
+    try:
+        cluster = ray.cluster_resources()
+        has_gpu = float(cluster.get("GPU", 0)) > 0
+        if not has_gpu and any(build_config(v).client_gpus > 0 or build_config(v).server_gpus > 0
+                               for v in _trial_grid(base, spec["space"])):
+            log.warning("no GPU in the Ray cluster: client_gpus/server_gpus are not reserved, actors run on CPU")
+        corners = [trial_bundles(v, has_gpu=has_gpu) for v in _trial_grid(base, spec["space"])]
+        biggest = max(corners, key=lambda b: sum(_totals(b).values()))
+        fit = min(trials_that_fit(b, cluster) for b in corners)
+        if fit == 0:
+            msg = (f"one trial needs {_totals(biggest)} but the Ray cluster has "
+                   f"{ {k: v for k, v in cluster.items() if k in _totals(biggest)} }")
+            if not base_cfg.address:  # a local cluster never grows
+                raise ConfigError(msg + ": lower client_cpus / client_gpus / num_actors")
+            log.warning("%s; waiting for the autoscaler to add nodes", msg)
+        max_concurrent = spec["max_concurrent"] or max(1, fit)
+
+        def resources(config: dict[str, Any]):
+            values = deep_merge(base, _flat_to_nested(config))
+            return tune.PlacementGroupFactory(trial_bundles(values, has_gpu=has_gpu))
+
+        trainable = tune.with_resources(
+            tune.with_parameters(federation, base=base, experiment_path=str(exp_dir)), resources
+        )
+        if spec["restore"]:
+            try:
+                tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, resume_unfinished=True, resume_errored=True)
+            except ValueError as e:  # e.g. an experiment written by another trainable
+                raise ConfigError(f"restore: cannot restore the Tune experiment in {exp_dir}: {e}") from None
+        else:
+            scheduler = None
+            if spec["asha"]:
+                from ray.tune.schedulers import ASHAScheduler
+
+                scheduler = ASHAScheduler(time_attr="training_iteration", **spec["asha"])
+            tuner = tune.Tuner(
+                trainable,
+                param_space=_search_space(spec["space"]),
+                tune_config=tune.TuneConfig(
+                    metric=spec["metric"], mode=spec["mode"], num_samples=spec["num_samples"],
+                    scheduler=scheduler, max_concurrent_trials=max_concurrent,
+                ),
+                run_config=tune.RunConfig(
+                    name=spec["name"], storage_path=str(storage), verbose=verbose,
+                    failure_config=tune.FailureConfig(max_failures=0),
+                ),
+            )
+        t0 = time.perf_counter()
+        grid = tuner.fit()
+        log.info("sweep %s: %d trials in %.1fs", spec["name"], len(grid), time.perf_counter() - t0)
+    finally:
+        if started:
+            ray.shutdown()
+    table = trials_table(grid, spec)
+    write_outputs(table, spec, exp_dir)
+    table.attrs["exp_dir"] = str(exp_dir)
+    table.attrs["num_errors"] = int(grid.num_errors)
+    table.attrs["num_terminated"] = int(grid.num_terminated)
+    return table
+
+
+def trials_table(grid, spec: Mapping[str, Any]) -> "pandas.DataFrame":
+    """One row per trial: swept values, final In / Cross / HM (summary.md's), epsilon spent, wall time."""
+    import pandas as pd
+
+    from raysim.metrics import summarize
+
+    keys = list(spec["space"])
+    rows = []
+    for result in grid:
+        cfg_flat = result.config or {}
+        m = result.metrics or {}
+        trial_dir = Path(result.path)
+        run_dir = trial_dir / "run"
+        row: dict[str, Any] = {"trial": trial_dir.name}
+        for k in keys:
+            row[k] = cfg_flat.get(k, math.nan)
+        summary = {"in_client": m.get("summary_in_client", math.nan), "cross_client": m.get("summary_cross_client", math.nan),
+                   "hm": m.get("summary_hm", math.nan)}
+        rounds_done = int(m.get("round", -1)) + 1
+        if (run_dir / "results.csv").is_file():  # the run's own files are the reference when readable here
+            import yaml
+
+            run_cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
+            try:
+                summary = summarize(run_dir / "results.csv", last=max(1, int(run_cfg.get("eval_last", 5))))
+                rounds_done = len(pd.read_csv(run_dir / "results.csv"))
+            except Exception:  # noqa: BLE001 - an empty results.csv of a trial that failed in round 0
+                pass
+        row.update({k: summary.get(k, math.nan) for k in ("in_client", "cross_client", "hm")})
+        dp_eps = _get_dotted(deep_merge(spec["base"], _flat_to_nested(cfg_flat)), "dp.epsilon", math.inf)
+        eps = m.get("epsilon_spent", math.nan)
+        row["epsilon_spent"] = math.inf if not math.isfinite(_yaml_float(dp_eps)) else eps
+        row["rounds_done"] = rounds_done
+        row["wall_s"] = float(m.get("time_total_s", math.nan))
+        rounds = _get_dotted(deep_merge(spec["base"], _flat_to_nested(cfg_flat)), "rounds", 10)
+        row["status"] = "error" if result.error else ("completed" if rounds_done >= int(rounds) else "stopped")
+        row["out_dir"] = str(run_dir)
+        rows.append(row)
+    df = pd.DataFrame(rows, columns=["trial", *keys, "in_client", "cross_client", "hm", "epsilon_spent", "rounds_done",
+                                     "wall_s", "status", "out_dir"])
+    return df.sort_values(by=keys + ["trial"], kind="stable", ignore_index=True) if len(df) else df
+
+
+def _yaml_float(v: Any) -> float:
+    try:
+        return float(_yaml_value(v))
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _fmt_cell(v: Any, pct: bool = False) -> str:
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "-"
+        if math.isinf(v):
+            return "inf"
+        return f"{100 * v:.2f}" if pct else f"{v:.4g}"
+    return str(v)
+
+
+def markdown_table(df, spec: Mapping[str, Any]) -> str:
+    keys = list(spec["space"])
+    cols = ["trial", *keys, "in_client", "cross_client", "hm", "epsilon_spent", "rounds_done", "wall_s", "status"]
+    heads = ["Trial", *keys, "In-Client", "Cross-Client", "HM", "epsilon spent", "rounds", "wall (s)", "status"]
+    lines = [f"### Sweep {spec['name']}", ""]
+    if spec.get("description"):
+        lines += [str(spec["description"]).strip(), ""]
+    lines += ["| " + " | ".join(heads) + " |", "|" + "|".join("---" if c in ("trial", "status") else "---:" for c in cols) + "|"]
+    for _, r in df.iterrows():
+        lines.append("| " + " | ".join(_fmt_cell(r[c], pct=c in ("in_client", "cross_client", "hm")) for c in cols) + " |")
+    lines += ["", "Accuracies in %: mean of each trial's last evaluated rounds (as in its summary.md). "
+              "epsilon spent: max over clients (inf = no DP)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_paths(exp_dir: Path, keys: Sequence[str]) -> dict[str, Path]:
+    return {k: exp_dir / f"hm_vs_{k.replace('.', '_')}.png" for k in keys}
+
+
+def write_plots(df, spec: Mapping[str, Any], exp_dir: Path) -> list[Path]:
+    """HM (%) against each swept key; one line per combination of the other swept keys."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(spec["space"])
+    written = []
+    for key, path in plot_paths(exp_dir, keys).items():
+        others = [k for k in keys if k != key]
+        fig, ax = plt.subplots(figsize=(5.5, 3.8))
+        vals = df[key].tolist()
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals)
+        uniq = sorted(set(vals), key=lambda v: (float(v) if numeric else str(v)))
+        categorical = not numeric or any(math.isinf(float(v)) for v in uniq) or len(uniq) <= 8
+        pos = {v: i for i, v in enumerate(uniq)}
+        groups = df.groupby(others, dropna=False, sort=True) if others else [((), df)]
+        for gkey, g in groups:
+            g = g.sort_values(by=key, key=lambda s: s.map(lambda v: pos[v]) if categorical else s)
+            x = [pos[v] for v in g[key]] if categorical else g[key].astype(float)
+            gkey = gkey if isinstance(gkey, tuple) else (gkey,)
+            label = ", ".join(f"{k}={_fmt_cell(v)}" for k, v in zip(others, gkey)) or None
+            ax.plot(x, 100 * g["hm"].astype(float), marker="o", label=label)
+        if categorical:
+            ax.set_xticks(range(len(uniq)), [_fmt_cell(float(v)) if numeric else str(v) for v in uniq])
+        elif min(float(v) for v in uniq) > 0 and spec["space"][key].get("loguniform"):
+            ax.set_xscale("log")
+        ax.set_xlabel(key)
+        ax.set_ylabel("HM (%)")
+        ax.set_title(f"{spec['name']}: HM vs {key}")
+        ax.grid(alpha=0.3)
+        if others and len(ax.get_lines()) <= 10:
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_outputs(df, spec: Mapping[str, Any], exp_dir: Path) -> None:
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    df.to_csv(exp_dir / "trials.csv", index=False)
+    (exp_dir / "trials.md").write_text(markdown_table(df, spec))
+    if len(df):
+        write_plots(df, spec, exp_dir)
+
+
+def run_sweep_file(path: str | Path, overrides: Sequence[str] = ()) -> int:
+    """Front door of `raysim sweep FILE [key=value ...] [--resume]`; returns the exit code."""
+    spec = load_sweep(path, overrides)
+    df = run_sweep(spec)
+    exp_dir = Path(df.attrs["exp_dir"])
+    print()
+    print((exp_dir / "trials.md").read_text())
+    print(f"outputs: {exp_dir}  (trials.csv, trials.md, hm_vs_*.png; tensorboard --logdir {exp_dir})")
+    bad = df[df["status"] == "error"] if len(df) else df
+    if len(bad):
+        print(f"error: {len(bad)} trial(s) failed; see {exp_dir}/<trial>/error.txt", flush=True)
+        return 1
+    return 0

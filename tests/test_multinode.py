@@ -1,0 +1,174 @@
+"""The multi-node path, for real on one machine: a Ray head and a second worker node, started as separate
+`ray start` processes with their own temp dir, ports and custom resources ({"head_node": 1} and
+{"worker_node": 1}, 1 CPU each), token authentication on (Ray 2.60's default for clusters). A small
+federation and a small sweep run against it through `address=`, and the client actors must have been
+placed on both nodes.
+
+The driver runs in a subprocess: Ray reads RAY_AUTH_MODE / RAY_AUTH_TOKEN when it is imported, and the
+test session may already hold its own local cluster (tests/conftest.py `ray_session`), which this test
+neither joins nor disturbs. The two nodes are stopped by process id in the fixture's teardown (never with
+`ray stop`, which would stop every Ray process on the machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node_env(token: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT))
+    return env
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM the `ray start --block` process (it stops its node), then SIGKILL its process group."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # anything of this node still alive (own session, own group)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    token = secrets.token_hex(32)
+    env = node_env(token)
+    tmp = tempfile.mkdtemp(prefix="rsmn", dir="/tmp")  # short: Ray's unix socket paths must fit 107 chars
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+
+    def ports(*names: str) -> list[str]:
+        return [f"--{n}={free_port()}" for n in names]
+
+    def common() -> list[str]:  # every node needs its own agent ports (defaults would clash with other clusters)
+        return ["--block", "--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats",
+                *ports("dashboard-agent-listen-port", "metrics-export-port", "runtime-env-agent-port")]
+
+    head_cmd = [RAY, "start", "--head", f"--port={port}", f"--temp-dir={tmp}", "--include-dashboard=false",
+                '--resources={"head_node": 1}', *ports("ray-client-server-port", "dashboard-port"), *common()]
+    worker_cmd = [RAY, "start", f"--address={address}", '--resources={"worker_node": 1}', *common()]
+    procs: list[subprocess.Popen] = []
+    try:
+        for name, cmd in (("head", head_cmd), ("worker", worker_cmd)):
+            log = open(os.path.join(tmp, f"{name}.log"), "w")
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            if name == "head":
+                deadline = time.time() + 60
+                while not os.path.exists(os.path.join(tmp, "session_latest")) and time.time() < deadline:
+                    assert procs[0].poll() is None, Path(tmp, "head.log").read_text()
+                    time.sleep(0.5)
+                time.sleep(2)
+        yield {"address": address, "env": env, "tmp": tmp}
+    finally:
+        for p in reversed(procs):
+            stop(p)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+DRIVER = r"""
+import json, sys, time, math
+T0 = time.time()
+def tick(msg): print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+import ray
+from ray._private.state import state
+
+address, storage, cache_dir, out_dir = sys.argv[1:5]
+
+def client_actor_nodes():
+    rows = state.actor_table(None).values()
+    out = {}
+    for a in rows:
+        if a["ActorClassName"].endswith("ClientHost"):
+            out.setdefault(a["JobID"], set()).add(a["Address"]["NodeID"])
+    return {k: sorted(v) for k, v in out.items()}
+
+# wait until both nodes have joined (the worker registers a few seconds after the head)
+ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=False)
+deadline = time.time() + 90
+while len([n for n in ray.nodes() if n["Alive"]]) < 2 and time.time() < deadline:
+    time.sleep(1)
+nodes = {n["NodeID"]: sorted(k for k in n["Resources"] if k.endswith("_node")) for n in ray.nodes() if n["Alive"]}
+ray.shutdown()
+assert len(nodes) == 2, nodes
+tick("two nodes up")
+
+# 1. one federation through address=: RayBackend connects itself; 2 client actors x 1 CPU on 2 nodes x 1 CPU
+from raysim.config import build_config
+from raysim.engine import run
+seen = {}
+def on_round(row):
+    seen.update(client_actor_nodes())  # while the federation's actors are alive
+cfg = build_config(dict(method="promptfl", dataset="digits", num_clients=2, rounds=2, eval_every=1, eval_last=1,
+                        backend="ray", placement="actor_per_client", client_cpus=1, address=address,
+                        progress=False, cache_dir=cache_dir, out_dir=out_dir))
+result = run(cfg, on_round=on_round)
+tick("federation done")
+fed = {"summary": result.summary, "info": result.info, "actor_nodes": seen}
+
+# 2. a small sweep through address= (run_sweep connects itself): 2 trials, one client actor each
+from raysim.tune import load_sweep, run_sweep
+spec = load_sweep("sweeps/smoke.yaml", [f"storage={storage}", "name=multinode", f"address={address}",
+                                        f"cache_dir={cache_dir}", "num_clients=2"])
+spec["space"] = {"seed": {"grid": [1, 2]}}
+df = run_sweep(spec, verbose=0)
+tick("sweep done")
+ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=False)
+all_jobs = client_actor_nodes()
+ray.shutdown()
+sweep_nodes = sorted({n for job, ns in all_jobs.items() if job not in seen for n in ns})
+print("RESULT " + json.dumps({"nodes": nodes, "fed": fed, "sweep_rows": json.loads(df.to_json(orient="records")),
+                             "sweep_errors": df.attrs["num_errors"], "sweep_nodes": sweep_nodes}))
+"""
+
+
+def test_federation_and_sweep_on_two_nodes(two_nodes, tmp_path, cache_dir):
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    proc = subprocess.run(
+        [sys.executable, str(script), two_nodes["address"], str(tmp_path / "sweeps"), cache_dir, str(tmp_path / "run")],
+        cwd=ROOT, env=two_nodes["env"], capture_output=True, text=True, timeout=420,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    res = json.loads(lines[-1][len("RESULT "):])
+    print("\n".join(ln for ln in proc.stdout.splitlines() if ln.startswith("[")))
+    # two nodes, told apart by their custom resources
+    assert sorted(r for rs in res["nodes"].values() for r in rs) == ["head_node", "worker_node"]
+    # the federation ran through address= and its 2 client actors (1 CPU each) were placed on both nodes
+    fed = res["fed"]
+    assert fed["info"]["backend"] == "ray" and fed["info"]["hosts"] == 2 and fed["info"]["cluster_cpus"] == 2.0
+    assert 0.0 <= fed["summary"]["hm"] <= 1.0
+    (job_nodes,) = fed["actor_nodes"].values()
+    assert sorted(job_nodes) == sorted(res["nodes"]), (job_nodes, res["nodes"])
+    # the sweep's trials all completed, and their client actors also used both nodes
+    assert res["sweep_errors"] == 0 and [r["status"] for r in res["sweep_rows"]] == ["completed", "completed"]
+    assert sorted(res["sweep_nodes"]) == sorted(res["nodes"])
+    assert (tmp_path / "sweeps" / "multinode" / "trials.csv").is_file()
