@@ -95,6 +95,17 @@ def prepare_data(cfg: RunConfig, method_input: str, *, progress: bool, image_siz
     )
 
 
+def flat_config(cfg: RunConfig) -> dict[str, Any]:
+    """The config as one level of `key` / `section.key` entries (TensorBoard hparams, sweep tables)."""
+    out: dict[str, Any] = {}
+    for k, v in cfg.to_dict().items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{kk}": vv for kk, vv in v.items()})
+        else:
+            out[k] = v
+    return out
+
+
 def materialize_images(images) -> "torch.Tensor":
     """All images of a (small) dataset as one float tensor, for methods that train image models."""
     import torch
@@ -156,7 +167,7 @@ def run(cfg: RunConfig, *, on_round: Optional[Callable[[dict[str, Any]], None]] 
     # (fails before anything is written)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(cfg.to_yaml())
-    hparams = {k: v for k, v in cfg.to_dict().items() if not isinstance(v, dict)}
+    hparams = flat_config(cfg)
     logger = RunLogger(out_dir, tensorboard=cfg.tensorboard, hparams=hparams)
     logger.resume_at(done)
     backend = BACKENDS[cfg.backend](cfg, data, str(out_dir), done)
