@@ -66,10 +66,10 @@ def model_config(
     image_size: int = 32,
     patch_size: int = 4,
     vision_width: int = 128,
-    vision_layers: int = 4,
+    vision_layers: int = 3,
     text_width: int = 128,
-    text_layers: int = 3,
-    context_length: int = 77,
+    text_layers: int = 2,
+    context_length: int = 32,
 ) -> dict:
     """An open_clip model config (the dict `open_clip.add_model_config` reads from a JSON file)."""
     if text not in TEXT_TOWERS:
@@ -249,25 +249,26 @@ def _pretrain_params(classes: Sequence[str], per_cell: int, seed: int, resolutio
 def pretrain(
     *,
     out: str,
-    steps: int = 1500,
+    steps: int = 800,
     text: str = "clip",
-    batch_size: int = 256,
+    batch_size: int = 128,
     lr: float = 1e-3,
     weight_decay: float = 0.05,
     warmup: int = 100,
-    per_cell: int = 120,
+    per_cell: int = 60,
     classes: Optional[Sequence[str]] = None,
     embed_dim: int = 128,
     vision_width: int = 128,
-    vision_layers: int = 4,
+    vision_layers: int = 3,
     patch_size: int = 4,
     text_width: int = 128,
-    text_layers: int = 3,
-    context_length: int = 77,
+    text_layers: int = 2,
+    context_length: int = 32,
     half: bool = True,
     eval_every: int = 0,
     threads: int = 0,
     cache_dir: str = "~/.cache/raysim",
+    bench: syn.SyntheticParams = syn.DEFAULT,
     progress: bool = True,
     seed: int = 0,
 ) -> Path:
@@ -293,7 +294,7 @@ def pretrain(
     image_size = 32
     data_params = _pretrain_params(classes, per_cell, 1000 + seed, image_size)
     train, heldout = syn.generate(data_params, cache_dir)
-    bench_train, bench_test = syn.generate(syn.DEFAULT, cache_dir)  # the default benchmark's test split
+    _, bench_test = syn.generate(bench, cache_dir)  # the benchmark's test split (default: `synthetic`)
     t_data = time.time() - t_start
 
     # model
@@ -378,8 +379,8 @@ def pretrain(
         if step % 10 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}", T=f"{model.logit_scale.exp().item():.1f}")
         if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
-            acc = zero_shot_accuracy(model, tokenizer, bench_test.images, bench_test.labels, list(syn.DEFAULT.classes),
-                                     bench_test.domains, list(syn.DEFAULT.domains))
+            acc = zero_shot_accuracy(model, tokenizer, bench_test.images, bench_test.labels, list(bench.classes),
+                                     bench_test.domains, list(bench.domains))
             history.append({"step": step + 1, "loss": float(loss), **acc})
             bar.write(f"step {step + 1}: zero-shot {acc['overall']:.1f}%")
             model.train()
@@ -396,13 +397,13 @@ def pretrain(
 
     # evaluate the saved checkpoint through the real loading path
     loaded, tok2, _ = load(out_p)
-    bench = zero_shot_accuracy(loaded, tok2, bench_test.images, bench_test.labels, list(syn.DEFAULT.classes),
-                               bench_test.domains, list(syn.DEFAULT.domains))
+    bench_acc = zero_shot_accuracy(loaded, tok2, bench_test.images, bench_test.labels, list(bench.classes),
+                                   bench_test.domains, list(bench.domains))
     domain_prompts = {}
-    for d, dname in enumerate(syn.DEFAULT.domains):
+    for d, dname in enumerate(bench.domains):
         sel = bench_test.domains == d
         domain_prompts[dname] = zero_shot_accuracy(
-            loaded, tok2, bench_test.images[sel], bench_test.labels[sel], list(syn.DEFAULT.classes),
+            loaded, tok2, bench_test.images[sel], bench_test.labels[sel], list(bench.classes),
             templates=(f"a {syn.DOMAIN_WORDS[dname]} of a {{}}.",))["overall"]
     held = zero_shot_accuracy(loaded, tok2, heldout.images, heldout.labels, classes, heldout.domains,
                               list(data_params.domains))
@@ -414,7 +415,8 @@ def pretrain(
         "trainable_params": sum(p.numel() for p in params),
         "pretrain_data": dataclasses.asdict(data_params) | {"classes": len(classes), "n_images": N,
                                                             "unique_captions": int(len(uniq))},
-        "zero_shot_benchmark": bench, "zero_shot_benchmark_domain_prompt": domain_prompts,
+        "benchmark_data": dataclasses.asdict(bench),
+        "zero_shot_benchmark": bench_acc, "zero_shot_benchmark_domain_prompt": domain_prompts,
         "zero_shot_heldout_all_classes": held, "history": history, "torch_threads": torch.get_num_threads(),
     }
     (out_p / METRICS).write_text(json.dumps(metrics, indent=2))
@@ -457,7 +459,8 @@ def _model_card(m: dict, cfg: dict) -> str:
         "## Zero-shot accuracy (%, held-out generated images, prompt \"a photo of a {class}.\")", "",
         "| test set | " + " | ".join(doms) + " | all | chance |",
         "|---" * (len(doms) + 3) + "|",
-        _row("`synthetic` test split (10 classes, data seed 0)", m["zero_shot_benchmark"], doms),
+        _row(f"benchmark test split ({len(m['benchmark_data']['classes'])} classes, data seed "
+             f"{m['benchmark_data']['seed']})", m["zero_shot_benchmark"], doms),
         _row(f"held-out pretraining images ({d['classes']} classes)", m["zero_shot_heldout_all_classes"], doms),
         "", "With the domain named in the prompt (\"a {sketch,photo,...} of a {class}.\") on the `synthetic` test "
         "split: " + ", ".join(f"{k} {v:.1f}" for k, v in m["zero_shot_benchmark_domain_prompt"].items()) + ".",
@@ -478,16 +481,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="raysim pretrain", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="~/.cache/raysim/pretrained/raysim-clip", help="output folder")
     p.add_argument("--text", choices=TEXT_TOWERS, default="clip", help="text tower (see module docs)")
-    p.add_argument("--steps", type=int, default=1500)
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--per-cell", type=int, default=120, help="pretraining images per (class, domain)")
+    p.add_argument("--per-cell", type=int, default=60, help="pretraining images per (class, domain)")
     p.add_argument("--classes", type=int, default=0, help="use the first N classes of the pool (0 = all 48)")
     p.add_argument("--vision-width", type=int, default=128)
-    p.add_argument("--vision-layers", type=int, default=4)
+    p.add_argument("--vision-layers", type=int, default=3)
     p.add_argument("--patch-size", type=int, default=4)
     p.add_argument("--text-width", type=int, default=128)
-    p.add_argument("--text-layers", type=int, default=3)
+    p.add_argument("--text-layers", type=int, default=2)
+    p.add_argument("--context-length", type=int, default=32)
     p.add_argument("--fp32", action="store_true", help="store the checkpoint in float32 (default float16)")
     p.add_argument("--eval-every", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
@@ -499,6 +503,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         out=a.out, steps=a.steps, text=a.text, batch_size=a.batch_size, lr=a.lr, per_cell=a.per_cell,
         classes=syn.CLASS_POOL[: a.classes] if a.classes else None, vision_width=a.vision_width,
         vision_layers=a.vision_layers, patch_size=a.patch_size, text_width=a.text_width, text_layers=a.text_layers,
+        context_length=a.context_length,
         half=not a.fp32, eval_every=a.eval_every, threads=a.threads, cache_dir=a.cache_dir,
         progress=not a.quiet, seed=a.seed,
     )

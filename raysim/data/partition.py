@@ -1,0 +1,177 @@
+"""Split a dataset over clients: pathological, Dirichlet label skew, domain + Dirichlet, IID; few-shot caps.
+
+Each partitioner returns one `ClientSplit` per client: indices into the train set and into the test
+set. Train indices are disjoint across clients and so are test indices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from raysim.errors import ConfigError
+from raysim.registry import Registry
+
+
+@dataclass
+class ClientSplit:
+    train: np.ndarray
+    test: np.ndarray
+
+
+@dataclass
+class PartitionSpec:
+    train_labels: np.ndarray
+    test_labels: np.ndarray
+    num_clients: int
+    seed: int
+    beta: float = 0.5
+    shots: int = 0  # per (client, class) cap on training images; 0 = no cap
+    min_samples: int = 10
+    train_domains: Optional[np.ndarray] = None
+    test_domains: Optional[np.ndarray] = None
+
+    @property
+    def num_classes(self) -> int:
+        return int(max(self.train_labels.max(), self.test_labels.max())) + 1
+
+
+Partitioner = Callable[[PartitionSpec], list[ClientSplit]]
+PARTITIONERS: Registry[Partitioner] = Registry("partition")
+
+
+def partition(kind: str, spec: PartitionSpec) -> list[ClientSplit]:
+    splits = PARTITIONERS.get(kind)(spec)
+    if spec.shots > 0:
+        splits = few_shot(splits, spec.train_labels, spec.shots, spec.seed)
+    return [ClientSplit(np.sort(s.train).astype(np.int64), np.sort(s.test).astype(np.int64)) for s in splits]
+
+
+def few_shot(splits: list[ClientSplit], labels: np.ndarray, shots: int, seed: int) -> list[ClientSplit]:
+    """Keep at most `shots` random training images of each class on each client."""
+    rng = np.random.default_rng([seed, 7])
+    out = []
+    for s in splits:
+        keep = []
+        for c in np.unique(labels[s.train]):
+            idx = s.train[labels[s.train] == c]
+            keep.append(idx if len(idx) <= shots else rng.choice(idx, size=shots, replace=False))
+        out.append(ClientSplit(np.concatenate(keep) if keep else s.train[:0], s.test))
+    return out
+
+
+@PARTITIONERS.register("pathological")
+def pathological(spec: PartitionSpec) -> list[ClientSplit]:
+    """Disjoint class sets: shuffle the classes, client k takes a contiguous slice of round(C/K) classes
+    and the last client the remainder (SPEC 1.9); each client tests on all test images of its classes."""
+    C, K = spec.num_classes, spec.num_clients
+    per = max(1, int(round(C / K)))
+    if per * (K - 1) >= C:
+        raise ConfigError(
+            f"partition=pathological gives every client its own classes, so it needs more classes than "
+            f"clients; {C} classes cannot be shared by {K} clients (lower num_clients to at most {C})."
+        )
+    order = np.random.default_rng([spec.seed, 1]).permutation(C)
+    out = []
+    for k in range(K):
+        owned = order[k * per : (k + 1) * per] if k < K - 1 else order[(K - 1) * per :]
+        out.append(
+            ClientSplit(
+                np.flatnonzero(np.isin(spec.train_labels, owned)),
+                np.flatnonzero(np.isin(spec.test_labels, owned)),
+            )
+        )
+    return out
+
+
+def _dirichlet_split(
+    train_idx_by_class: list[np.ndarray],
+    test_idx_by_class: list[np.ndarray],
+    num_clients: int,
+    beta: float,
+    min_samples: int,
+    rng: np.random.Generator,
+    what: str,
+) -> list[ClientSplit]:
+    """Per class, p ~ Dir(beta); clients already over N/K get no more (SPEC 1.9, noniid-labeldir);
+    train and test indices of the class are split with the same p. Redraw until every client has
+    `min_samples` train and test samples."""
+    n_train = sum(len(i) for i in train_idx_by_class)
+    for _ in range(1000):
+        tr: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+        te: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+        counts = np.zeros(num_clients)
+        for tr_c, te_c in zip(train_idx_by_class, test_idx_by_class):
+            tr_c, te_c = rng.permutation(tr_c), rng.permutation(te_c)
+            p = rng.dirichlet(np.full(num_clients, beta))
+            p = p * (counts < n_train / num_clients)
+            p = p / p.sum() if p.sum() > 0 else np.full(num_clients, 1.0 / num_clients)
+            for src, dst in ((tr_c, tr), (te_c, te)):
+                cuts = (np.cumsum(p) * len(src)).astype(int)[:-1]
+                for k, part in enumerate(np.split(src, cuts)):
+                    dst[k].append(part)
+            counts += np.array([len(x[-1]) for x in tr])
+        splits = [
+            ClientSplit(np.concatenate(a) if a else np.zeros(0, np.int64), np.concatenate(b) if b else np.zeros(0, np.int64))
+            for a, b in zip(tr, te)
+        ]
+        if min(min(len(s.train), len(s.test)) for s in splits) >= min_samples:
+            return splits
+    raise ConfigError(
+        f"partition={what} could not give every client {min_samples} train and test samples in 1000 draws; "
+        f"raise beta, lower num_clients, or lower min_samples."
+    )
+
+
+@PARTITIONERS.register("dirichlet")
+def dirichlet(spec: PartitionSpec) -> list[ClientSplit]:
+    C = spec.num_classes
+    rng = np.random.default_rng([spec.seed, 2])
+    return _dirichlet_split(
+        [np.flatnonzero(spec.train_labels == c) for c in range(C)],
+        [np.flatnonzero(spec.test_labels == c) for c in range(C)],
+        spec.num_clients,
+        spec.beta,
+        spec.min_samples,
+        rng,
+        "dirichlet",
+    )
+
+
+@PARTITIONERS.register("domain")
+def domain(spec: PartitionSpec) -> list[ClientSplit]:
+    """Domain + label skew: clients are split evenly over the domains, and each domain's data is split
+    over its clients with a Dirichlet(beta) label skew."""
+    if spec.train_domains is None or spec.test_domains is None:
+        raise ConfigError("partition=domain needs a dataset with domains (synthetic, pacs, office31, officehome, domainnet, office_caltech10)")
+    domains = np.unique(spec.train_domains)
+    D, K = len(domains), spec.num_clients
+    if K % D != 0:
+        raise ConfigError(f"partition=domain needs num_clients to be a multiple of the {D} domains; got {K}")
+    per = K // D
+    rng = np.random.default_rng([spec.seed, 3])
+    out: list[ClientSplit] = []
+    C = spec.num_classes
+    for d in domains:
+        tr_d = spec.train_domains == d
+        te_d = spec.test_domains == d
+        out += _dirichlet_split(
+            [np.flatnonzero(tr_d & (spec.train_labels == c)) for c in range(C)],
+            [np.flatnonzero(te_d & (spec.test_labels == c)) for c in range(C)],
+            per,
+            spec.beta,
+            min(spec.min_samples, 2),
+            rng,
+            "domain",
+        )
+    return out
+
+
+@PARTITIONERS.register("iid")
+def iid(spec: PartitionSpec) -> list[ClientSplit]:
+    rng = np.random.default_rng([spec.seed, 4])
+    tr = np.array_split(rng.permutation(len(spec.train_labels)), spec.num_clients)
+    te = np.array_split(rng.permutation(len(spec.test_labels)), spec.num_clients)
+    return [ClientSplit(a, b) for a, b in zip(tr, te)]
