@@ -166,3 +166,30 @@ def test_client_level_dp_noises_the_update_and_records_it(tmp_path, cache_dir):
     rows = read_rows(out / "client_results.csv")
     eps = [float(r["epsilon"]) for r in rows if r["round"] == "1"]
     assert all(0 < e <= 4.0 + 1e-6 for e in eps)
+
+
+def test_prompt_learner_through_a_hugging_face_text_tower(tmp_path):
+    """CoOp through a BERT-style tower (the bundled MiniLM as open_clip's HF text tower): placeholder
+    embeddings reproduce open_clip's own encode_text, and learned context changes the features."""
+    import json
+
+    import open_clip
+
+    from raysim.models.clip import HFTextTower, ModelSpec, build_clip_env, load_clip
+    from raysim.pretrain import model_config
+
+    cfg = model_config("minilm")
+    (tmp_path / "raysim-test-minilm.json").write_text(json.dumps(cfg))
+    open_clip.add_model_config(tmp_path / "raysim-test-minilm.json")
+    names = ["seven", "circle", "letter_o"]
+    env = build_clip_env(ModelSpec("raysim-test-minilm"), names, n_ctx=4)
+    assert isinstance(env.tower, HFTextTower)
+    clip = load_clip(ModelSpec("raysim-test-minilm"))
+    tok = open_clip.get_tokenizer("raysim-test-minilm")(["X X X X seven.", "X X X X circle.", "X X X X letter o."])
+    ref = torch.nn.functional.normalize(clip.encode_text(tok), dim=-1)
+    assert torch.allclose(env.prompts.plain_text_features(), ref, atol=1e-5)
+    ctx = torch.randn(2, 4, env.ctx_width, requires_grad=True)
+    feats = env.prompts.text_features(ctx)
+    assert feats.shape == (2, 3, env.feature_dim)
+    feats.sum().backward()
+    assert ctx.grad is not None and float(ctx.grad.abs().sum()) > 0

@@ -64,8 +64,12 @@ def test_prompt_insertion_overwrites_exactly_positions_0_to_m_minus_1(which, cli
 
 
 def test_clip_eot_pooling_and_bert_features(clip_plm, bert_plm):
-    emb, eot = clip_plm.embed(["A photo of a cat.", "A photo of a very small dog."])
-    assert emb.shape[1] == int(eot.max()) + 1 and emb.shape[-1] == clip_plm.width
+    texts = ["A photo of a cat.", "A photo of a very small dog."]
+    emb, eot = clip_plm.embed(texts)
+    assert eot.tolist() == [7, 9] and emb.shape[-1] == clip_plm.width
+    # pooling at the EOT token reproduces the tower's own encoding of the texts
+    feats = torch.nn.functional.normalize(clip_plm.encode(emb, eot), dim=-1)
+    assert torch.allclose(feats, clip_plm.tower.encode_texts(texts), atol=1e-5)
     emb, lengths = bert_plm.embed(["a cat", "a very small dog"])
     assert bert_plm.out_dim == 384 and emb.shape[-1] == 384 and lengths.tolist() == [4, 6]
     # the clean option feeds word embeddings; the quirk feeds the full embedding-module output

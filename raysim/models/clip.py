@@ -123,44 +123,57 @@ def encode_images(model: nn.Module, dataset: torch.utils.data.Dataset, *, batch_
 class TextTower(nn.Module):
     """The frozen text side of an open_clip CLIP, fed with token *embeddings* so prompts can be learned.
 
-    Because the attention is causal, the feature at the end-of-text token depends only on positions up
-    to it, so sequences are cut after the last EOT of the batch (same result, far less compute)."""
+    `meta(tokens)` is what the tower needs besides the embeddings of a tokenised batch (the EOT position
+    for CLIP's causal transformer, the attention mask for a Hugging Face encoder); `forward(embeds, meta)`
+    gives unnormalised text features. `build_text_tower` picks the implementation for a model."""
 
-    def __init__(self, clip: nn.Module, model_name: str) -> None:
-        super().__init__()
-        import open_clip
-
-        if not hasattr(clip, "token_embedding"):
-            raise ConfigError(
-                f"{model_name} has a Hugging Face text tower; prompt learning needs an open_clip text transformer"
-            )
-        self.token_embedding = clip.token_embedding
-        self.positional_embedding = clip.positional_embedding
-        self.transformer = clip.transformer
-        self.ln_final = clip.ln_final
-        self.text_projection = clip.text_projection
-        self.register_buffer("attn_mask", clip.attn_mask, persistent=False)
-        self.pool_type = getattr(clip, "text_pool_type", "argmax")
-        self.tokenizer = open_clip.get_tokenizer(model_name)
-        self.width = int(self.token_embedding.weight.shape[1])
-        self.embed_dim = int(
-            self.text_projection.weight.shape[0] if isinstance(self.text_projection, nn.Linear) else self.text_projection.shape[1]
-        )
-        self.logit_scale = float(clip.logit_scale.exp().item())
-        self.requires_grad_(False)
-        self.eval()
+    width: int
+    embed_dim: int
+    logit_scale: float
 
     def tokenize(self, texts: Sequence[str]) -> Tensor:
         return self.tokenizer(list(texts))
 
     @torch.no_grad()
     def embed_tokens(self, tokens: Tensor) -> Tensor:
-        return self.token_embedding(tokens.to(self.token_embedding.weight.device))
+        emb = self.word_embeddings
+        return emb(tokens.to(emb.weight.device))
 
-    def eot_index(self, tokens: Tensor) -> Tensor:
-        if self.pool_type != "argmax":
-            raise ConfigError(f"text pooling {self.pool_type!r} is not supported by the prompt learner")
-        return tokens.argmax(dim=-1)
+    def encode_texts(self, texts: Sequence[str]) -> Tensor:
+        tokens = self.tokenize(texts)
+        return F.normalize(self(self.embed_tokens(tokens), self.meta(tokens)), dim=-1)
+
+    def _finish(self, clip: nn.Module, model_name: str) -> None:
+        import open_clip
+
+        self.tokenizer = open_clip.get_tokenizer(model_name)
+        self.width = int(self.word_embeddings.weight.shape[1])
+        self.logit_scale = float(clip.logit_scale.exp().item())
+        self.requires_grad_(False)
+        self.eval()
+
+
+class CausalTextTower(TextTower):
+    """open_clip's own text transformer (CLIP, raysim-tiny). Because the attention is causal, the feature
+    at the end-of-text token depends only on positions up to it, so sequences are cut after the last EOT
+    of the batch (same result, far less compute)."""
+
+    def __init__(self, clip: nn.Module, model_name: str) -> None:
+        super().__init__()
+        self.word_embeddings = clip.token_embedding
+        self.positional_embedding = clip.positional_embedding
+        self.transformer = clip.transformer
+        self.ln_final = clip.ln_final
+        self.text_projection = clip.text_projection
+        self.register_buffer("attn_mask", clip.attn_mask, persistent=False)
+        if getattr(clip, "text_pool_type", "argmax") != "argmax":
+            raise ConfigError(f"{model_name}: text pooling {clip.text_pool_type!r} is not supported by the prompt learner")
+        proj = self.text_projection
+        self.embed_dim = int(proj.weight.shape[0] if isinstance(proj, nn.Linear) else proj.shape[1])
+        self._finish(clip, model_name)
+
+    def meta(self, tokens: Tensor) -> Tensor:
+        return tokens.argmax(dim=-1)  # EOT has the largest token id
 
     def forward(self, embeds: Tensor, eot: Tensor) -> Tensor:
         """embeds: (N, T, width) token embeddings; eot: (N,) EOT positions -> (N, embed_dim) features."""
@@ -174,9 +187,41 @@ class TextTower(nn.Module):
             return self.text_projection(x)
         return x @ self.text_projection
 
-    def encode_texts(self, texts: Sequence[str]) -> Tensor:
-        tokens = self.tokenize(texts)
-        return F.normalize(self(self.embed_tokens(tokens), self.eot_index(tokens)), dim=-1)
+
+class HFTextTower(TextTower):
+    """A Hugging Face encoder as open_clip's text tower (BERT/MiniLM, e.g. the bundled raysim-clip).
+    The learned context replaces word embeddings; the encoder adds its own position and type embeddings,
+    attends bidirectionally under the padding mask, and open_clip's pooler and projection follow."""
+
+    def __init__(self, clip: nn.Module, model_name: str) -> None:
+        super().__init__()
+        enc = clip.text
+        self.encoder = enc.transformer
+        self.pooler = enc.pooler
+        self.proj = enc.proj
+        self.pad_id = int(enc.config.pad_token_id)
+        self.word_embeddings = self.encoder.get_input_embeddings()
+        self.embed_dim = int(clip.text_projection.shape[1]) if hasattr(clip, "text_projection") else int(
+            self.proj(torch.zeros(1, enc.config.hidden_size)).shape[-1]
+        )
+        self._finish(clip, model_name)
+
+    def meta(self, tokens: Tensor) -> Tensor:
+        return (tokens != self.pad_id).long()
+
+    def forward(self, embeds: Tensor, mask: Tensor) -> Tensor:
+        t = int(mask.sum(-1).max().item())  # padding is masked out: cutting it changes nothing
+        mask = mask[:, :t].to(embeds.device)
+        out = self.encoder(inputs_embeds=embeds[:, :t], attention_mask=mask)
+        return self.proj(self.pooler(out, mask))
+
+
+def build_text_tower(clip: nn.Module, model_name: str) -> TextTower:
+    if hasattr(clip, "token_embedding"):
+        return CausalTextTower(clip, model_name)
+    if hasattr(clip, "text") and hasattr(clip.text, "transformer"):
+        return HFTextTower(clip, model_name)
+    raise ConfigError(f"{model_name}: its text tower is neither open_clip's transformer nor a Hugging Face encoder")
 
 
 class CoOpPrompts(nn.Module):
@@ -190,10 +235,13 @@ class CoOpPrompts(nn.Module):
         self.n_ctx = n_ctx
         names = [c.replace("_", " ") for c in classnames]
         tokens = tower.tokenize([" ".join(["X"] * n_ctx) + " " + n + "." for n in names])
+        placeholder = tower.tokenize(["X"])[0, 1]
+        if not bool((tokens[:, 1 : 1 + n_ctx] == placeholder).all()):
+            raise ConfigError("the tokenizer does not put the n_ctx placeholders at positions 1..n_ctx; lower n_ctx")
         emb = tower.embed_tokens(tokens)
         self.register_buffer("prefix", emb[:, :1].clone(), persistent=False)
         self.register_buffer("suffix", emb[:, 1 + n_ctx :].clone(), persistent=False)
-        self.register_buffer("eot", tower.eot_index(tokens), persistent=False)
+        self.register_buffer("meta", tower.meta(tokens), persistent=False)
         self.register_buffer("placeholder", emb[:, 1 : 1 + n_ctx].clone(), persistent=False)
         self.num_classes = len(names)
 
@@ -215,8 +263,9 @@ class CoOpPrompts(nn.Module):
         emb = self.embeddings(ctx, per_class=per_class)
         lead = emb.shape[:-3]
         flat = emb.reshape(-1, *emb.shape[-2:])
-        eot = self.eot.repeat(flat.shape[0] // self.num_classes)
-        out = self.tower(flat, eot).reshape(*lead, self.num_classes, -1)
+        reps = flat.shape[0] // self.num_classes
+        meta = self.meta.repeat(reps, *([1] * (self.meta.dim() - 1)))
+        out = self.tower(flat, meta).reshape(*lead, self.num_classes, -1)
         return F.normalize(out, dim=-1) if normalize else out
 
     def plain_text_features(self) -> Tensor:
@@ -243,7 +292,7 @@ class ClipEnv:
 
 def build_clip_env(spec: ModelSpec, classnames: Sequence[str], n_ctx: int, device: str | torch.device = "cpu") -> ClipEnv:
     clip = load_clip(spec, device="cpu")
-    tower = TextTower(clip, spec.model).to(device)
+    tower = build_text_tower(clip, spec.model).to(device)
     prompts = CoOpPrompts(tower, classnames, n_ctx).to(device)
     return ClipEnv(
         tower=tower,

@@ -51,20 +51,19 @@ class ClipPLM(nn.Module):
 
     def __init__(self, model: str = "raysim-tiny", pretrained: str = "", device: str | torch.device = "cpu") -> None:
         super().__init__()
-        from raysim.models.clip import ModelSpec, TextTower, load_clip
+        from raysim.models.clip import ModelSpec, build_text_tower, load_clip
 
-        self.tower = TextTower(load_clip(ModelSpec(model, pretrained), device="cpu"), model).to(device)
+        self.tower = build_text_tower(load_clip(ModelSpec(model, pretrained), device="cpu"), model).to(device)
         self.width = self.tower.width
         self.out_dim = self.tower.embed_dim
         self.init_logit_scale = math.log(self.tower.logit_scale)  # CLIP's own (ln 100 for OpenAI weights)
 
     @torch.no_grad()
     def embed(self, texts: Sequence[str]) -> tuple[Tensor, Tensor]:
-        """(token embeddings (N, T, w) cut after the last EOT, EOT index (N,))."""
+        """(token embeddings (N, T, w), what the tower needs besides them (EOT index or padding mask));
+        the tower itself skips the positions that cannot affect the feature."""
         tokens = self.tower.tokenize(texts)
-        eot = self.tower.eot_index(tokens)
-        emb = self.tower.embed_tokens(tokens)[:, : int(eot.max()) + 1]
-        return emb, eot
+        return self.tower.embed_tokens(tokens), self.tower.meta(tokens)
 
     def encode(self, embeds: Tensor, aux: Tensor) -> Tensor:
         return self.tower(embeds, aux)
