@@ -13,6 +13,7 @@ from raysim.methods.base import (
 )
 
 from raysim.methods import promptfl  # noqa: F401,E402
+from raysim.methods import zeroshot  # noqa: F401,E402
 from raysim.methods import fedsept  # noqa: F401,E402
 from raysim.methods import fedtsp  # noqa: F401,E402
 from raysim.methods import fedproto  # noqa: F401,E402
