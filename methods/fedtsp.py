@@ -117,7 +117,7 @@ class TSPEnv(HtEnv):
     init_logit_scale: float = 0.0
     classnames: list[str] = field(default_factory=list)  # clients only
     dataset: str = ""
-    clip_model: tuple[str, str] = ("raysim-tiny", "")
+    clip_model: Any = None  # the run's ModelSpec (FedTSP-CLIP's text tower)
 
 
 @register_method
@@ -136,7 +136,7 @@ class FedTSP(HeteroMethod):
     def _load_plm(self, env: TSPEnv):
         from raysim.models.plm import load_plm
 
-        return load_plm(self.opts.plm, model=env.clip_model[0], pretrained=env.clip_model[1], path=self.opts.plm_path,
+        return load_plm(self.opts.plm, spec=env.clip_model, path=self.opts.plm_path,
                         double_embedding=self.opts.bert_double_embedding, device=env.device)
 
     def _prompt_texts(self, env: TSPEnv) -> list[list[str]]:
@@ -155,7 +155,7 @@ class FedTSP(HeteroMethod):
         if d != d_plm:
             raise ConfigError(f"fedtsp.feature_dim={d} must equal the PLM's feature width {d_plm} (or be 0)")
         env = TSPEnv(torch.device(spec.device), len(spec.classnames), d, dataset=spec.dataset,
-                     clip_model=(spec.model.model, spec.model.pretrained))
+                     clip_model=spec.model)
         if role == "client":
             env.classnames = list(spec.classnames)  # needed only by the client that releases (private variant)
             return env

@@ -76,7 +76,7 @@ def env_spec(cfg: RunConfig, classnames: list[str]) -> EnvSpec:
     from raysim.models.clip import ModelSpec, resolve_device
 
     return EnvSpec(
-        model=ModelSpec(cfg.model, cfg.pretrained),
+        model=ModelSpec(cfg.model, cfg.pretrained, cache_dir=cfg.cache_dir),
         classnames=list(classnames),
         device=str(resolve_device(cfg.device)),
         dataset=cfg.dataset,

@@ -55,7 +55,7 @@ def prepare_data(cfg: RunConfig, method_input: str, *, progress: bool, image_siz
     import open_clip
 
     if cfg.model not in open_clip.list_models():
-        load_clip(ModelSpec(cfg.model, cfg.pretrained))  # raises the helpful ConfigError
+        load_clip(ModelSpec(cfg.model, cfg.pretrained, cache_dir=cfg.cache_dir))  # raises the helpful ConfigError
     model_cfg = open_clip.get_model_config(cfg.model) or {}
     size = (model_cfg.get("vision_cfg") or {}).get("image_size", 224)
     size = int(size[0] if isinstance(size, (list, tuple)) else size)
@@ -77,7 +77,7 @@ def prepare_data(cfg: RunConfig, method_input: str, *, progress: bool, image_siz
     splits = partition(cfg.partition, pspec)
     if method_input == "features":
         xtr, xte = cached_image_features(
-            bundle, model_spec=ModelSpec(cfg.model, cfg.pretrained), image_size=size, cache_dir=cfg.cache_dir,
+            bundle, model_spec=ModelSpec(cfg.model, cfg.pretrained, cache_dir=cfg.cache_dir), image_size=size, cache_dir=cfg.cache_dir,
             device=resolve_device(cfg.device), progress=progress,
         )
     elif method_input == "images":

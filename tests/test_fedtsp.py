@@ -21,7 +21,7 @@ from raysim.models.clip import ModelSpec  # noqa: E402
 def clip_plm():
     from raysim.models.plm import load_plm
 
-    return load_plm("clip", model="raysim-tiny")
+    return load_plm("clip")  # the default ModelSpec: raysim-tiny, random weights
 
 
 @pytest.fixture(scope="module")

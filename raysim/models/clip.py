@@ -17,6 +17,9 @@ from torch import Tensor, nn
 from raysim.errors import ConfigError, DataError
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+BUNDLED_MODEL = "raysim-clip"  # the small CLIP this project pretrains on generated data and ships
+BUNDLED_TAG = "bundled"  # pretrained=bundled: the project's own weights for raysim-clip
+BUNDLED_ASSET = Path(__file__).resolve().parents[1] / "assets" / BUNDLED_MODEL
 _registered = False
 log = logging.getLogger(__name__)
 
@@ -28,6 +31,10 @@ def register_builtin_configs() -> None:
         import open_clip
 
         open_clip.add_model_config(CONFIG_DIR)
+        if (BUNDLED_ASSET / "config.json").is_file():
+            from raysim.pretrain import register_bundled
+
+            register_bundled()
         _registered = True
 
 
@@ -38,10 +45,15 @@ class ModelSpec:
     model: str = "raysim-tiny"
     pretrained: str = ""
     init_seed: int = 0
+    cache_dir: str = "~/.cache/raysim"  # where the bundled checkpoint is assembled
 
     def key(self) -> str:
         p = self.pretrained
-        if p and Path(p).expanduser().is_file():
+        if p == BUNDLED_TAG:
+            import hashlib
+
+            p = "bundled:" + hashlib.sha256((BUNDLED_ASSET / "trainable.pt").read_bytes()).hexdigest()[:16]
+        elif p and Path(p).expanduser().is_file():
             st = Path(p).expanduser().stat()
             p = f"{Path(p).expanduser().resolve()}:{st.st_size}:{int(st.st_mtime)}"
         return f"{self.model}|{p or f'random{self.init_seed}'}"
@@ -62,7 +74,13 @@ def load_clip(spec: ModelSpec, device: str | torch.device = "cpu") -> nn.Module:
             + "Use raysim-tiny for a small random model, or e.g. ViT-B-16."
         )
     pretrained = spec.pretrained or None
-    if pretrained:
+    if pretrained == BUNDLED_TAG:
+        if spec.model != BUNDLED_MODEL:
+            raise ConfigError(f"pretrained={BUNDLED_TAG} names this project's own {BUNDLED_MODEL} weights; use model={BUNDLED_MODEL}")
+        from raysim.pretrain import bundled_checkpoint
+
+        pretrained = str(bundled_checkpoint(spec.cache_dir))
+    elif pretrained:
         path = Path(pretrained).expanduser()
         if path.is_file():
             pretrained = str(path)

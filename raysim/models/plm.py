@@ -49,11 +49,12 @@ class ClipPLM(nn.Module):
 
     kind = "clip"
 
-    def __init__(self, model: str = "raysim-tiny", pretrained: str = "", device: str | torch.device = "cpu") -> None:
+    def __init__(self, spec=None, device: str | torch.device = "cpu") -> None:
         super().__init__()
         from raysim.models.clip import ModelSpec, build_text_tower, load_clip
 
-        self.tower = build_text_tower(load_clip(ModelSpec(model, pretrained), device="cpu"), model).to(device)
+        spec = spec or ModelSpec()
+        self.tower = build_text_tower(load_clip(spec, device="cpu"), spec.model).to(device)
         self.width = self.tower.width
         self.out_dim = self.tower.embed_dim
         self.init_logit_scale = math.log(self.tower.logit_scale)  # CLIP's own (ln 100 for OpenAI weights)
@@ -138,11 +139,12 @@ def plm_output_dim(kind: str, *, model: str = "raysim-tiny", path: str = "") -> 
     raise ConfigError(f"fedtsp.plm must be clip or bert, got {kind!r}")
 
 
-def load_plm(kind: str, *, model: str = "raysim-tiny", pretrained: str = "", path: str = "",
+def load_plm(kind: str, *, spec=None, path: str = "",
              double_embedding: bool = False, device: str | torch.device = "cpu") -> nn.Module:
+    """`spec`: the raysim.models.clip.ModelSpec of the CLIP whose text tower is the PLM (kind="clip")."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach for the hub
     if kind == "clip":
-        return ClipPLM(model, pretrained, device)
+        return ClipPLM(spec, device)
     if kind == "bert":
         return BertPLM(path, device, double_embedding)
     raise ConfigError(f"fedtsp.plm must be clip or bert, got {kind!r}")
