@@ -2,6 +2,12 @@
 
     python benchmarks/compare_fedtsp.py --dataset digits --rounds 10 --clients 4 --family HtFE2
 
+The model-homogeneous settings (fedtsp.txt Table 3: GFL, and PFL as "-FT") with one model for all clients:
+
+    python benchmarks/compare_fedtsp.py --methods fedavg,fedavg_ft,fedtsp_gfl,fedtsp_gfl_ft --homo-model fedavgcnn
+
+`fedavg_ft` and `fedtsp_gfl_ft` are fedavg and fedtsp_gfl with `finetune_epochs=--finetune-epochs`.
+
 Prints, per method, the metrics of fedtsp.txt section 4 computed from each run's client_results.csv:
   local accuracy  = sum over clients of correct on their own test split / sum of own test samples
   global accuracy = mean over clients of the client model's accuracy on the union of all test splits
@@ -63,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dataset", default="digits")
     p.add_argument("--methods", default="fedtsp,fedproto,fedtgp,local")
     p.add_argument("--family", default="HtFE2", help="HtFE2 | HtFE3 | HtFE4 | HtFE9 | tiny")
+    p.add_argument("--homo-model", default="fedavgcnn", help="the one model of fedavg / fedtsp_gfl (any zoo model)")
+    p.add_argument("--finetune-epochs", type=int, default=1, help="head fine-tuning epochs of the *_ft variants")
     p.add_argument("--plm", default="bert", help="FedTSP's PLM: bert (MiniLM offline) or clip (the run's model)")
     p.add_argument("--model", default="raysim-tiny", help="open_clip model for plm=clip")
     p.add_argument("--pretrained", default="")
@@ -91,22 +99,31 @@ def main(argv: list[str] | None = None) -> int:
         "fedproto": {"model_family": a.family, "feature_dim": 512},
         "fedtgp": {"model_family": a.family, "feature_dim": 512, "server_epochs": a.tgp_server_epochs},
         "local": {"model_family": a.family, "feature_dim": 512},
+        "fedavg": {"model": a.homo_model, "feature_dim": 512},
+        "fedtsp_gfl": {"plm": a.plm, "model": a.homo_model, "lam": a.lam, "len_prompt": a.len_prompt,
+                       "prompt_epochs": a.prompt_epochs},
     }
+    variants = {"fedavg_ft": "fedavg", "fedtsp_gfl_ft": "fedtsp_gfl"}  # -FT: the head fine-tuned per client
     results = {}
-    for method in [m.strip() for m in a.methods.split(",") if m.strip()]:
+    for name in [m.strip() for m in a.methods.split(",") if m.strip()]:
+        method = variants.get(name, name)
+        section = dict(sections.get(method, {}))
+        if name in variants:
+            section["finetune_epochs"] = a.finetune_epochs
         t0 = time.perf_counter()
         cfg = build_config({
             "method": method, "dataset": a.dataset, "partition": "dirichlet", "beta": a.beta, "shots": 0,
             "num_clients": a.clients, "rounds": a.rounds, "local_epochs": a.local_epochs, "batch_size": a.batch_size,
             "seed": a.seed, "backend": a.backend, "device": a.device, "model": a.model, "pretrained": a.pretrained,
-            "eval_every": 1, "eval_last": a.rounds, "out_dir": str(out / method), "progress": False,
-            "tensorboard": False, method: sections.get(method, {}),
+            "eval_every": 1, "eval_last": a.rounds, "out_dir": str(out / name), "progress": False,
+            "tensorboard": False, method: section,
         })
         res = run(cfg)
-        results[method] = round_metrics(res.out_dir / "client_results.csv")
-        print(f"{method}: {a.rounds} rounds in {time.perf_counter() - t0:.0f}s -> {res.out_dir}", file=sys.stderr, flush=True)
+        results[name] = round_metrics(res.out_dir / "client_results.csv")
+        print(f"{name}: {a.rounds} rounds in {time.perf_counter() - t0:.0f}s -> {res.out_dir}", file=sys.stderr, flush=True)
     title = (f"{a.dataset}, Dirichlet beta={a.beta}, {a.clients} clients, {a.family}, {a.rounds} rounds, "
-             f"E={a.local_epochs}, B={a.batch_size}, FedTSP plm={a.plm} lambda={a.lam}; accuracies in %")
+             f"E={a.local_epochs}, B={a.batch_size}, FedTSP plm={a.plm} lambda={a.lam}; homogeneous model {a.homo_model}, "
+             f"-FT {a.finetune_epochs} epoch(s); accuracies in %")
     text = f"### {title}\n\n{table(results)}\n"
     print(text)
     (out / "table.md").write_text(text)

@@ -19,6 +19,8 @@ from raysim.methods import fedtsp  # noqa: F401,E402
 from raysim.methods import fedproto  # noqa: F401,E402
 from raysim.methods import fedtgp  # noqa: F401,E402
 from raysim.methods import local  # noqa: F401,E402
+from raysim.methods import fedavg  # noqa: F401,E402
+from raysim.methods import fedtsp_homo  # noqa: F401,E402
 
 
 def get_method(name: str) -> type[Method]:

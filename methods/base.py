@@ -16,7 +16,7 @@ The engine owns orchestration, sampling, DP accounting, evaluation and I/O. A me
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -150,8 +150,10 @@ class Method:
     ) -> LocalResult:
         raise NotImplementedError
 
-    def predictor(self, env: Any, shared: dict[str, Tensor], private: dict[str, Any]) -> Predictor:
-        """A function from inputs to logits over all classes, with whatever can be cached prepared."""
+    def predictor(self, env: Any, shared: dict[str, Tensor], private: dict[str, Any], data: Optional[ClientData] = None) -> Predictor:
+        """A function from inputs to logits over all classes, with whatever can be cached prepared.
+        `data` is the client's own data (evaluation runs in the client's host), for methods that adapt
+        the model to it before testing (e.g. -FT head fine-tuning)."""
         raise NotImplementedError
 
     # -- accounting --------------------------------------------------------------------------

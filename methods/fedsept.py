@@ -196,7 +196,7 @@ class FedSEPT(ClipPromptMethod):
             metrics={"loss": sum(losses) / max(1, len(losses))},
         )
 
-    def predictor(self, env, shared, private):
+    def predictor(self, env, shared, private, data=None):
         """The evaluated model: global A with the client's own R and router (SPEC 1.8)."""
         A = shared["A"].to(env.device)
         R = private["R"].to(env.device) if self.has_residual else None

@@ -123,7 +123,7 @@ class HeteroMethod(Method):
         counts = torch.bincount(data.y_train, minlength=C).float()
         return sums / counts.clamp_min(1)[:, None], counts
 
-    def predictor(self, env: HtEnv, shared: dict[str, Tensor], private: dict[str, Any]):
+    def predictor(self, env: HtEnv, shared: dict[str, Tensor], private: dict[str, Any], data: Optional[ClientData] = None):
         """Logits of the client's own head (the cache holds one module per client, so it is not shared)."""
         model = self.model(env, private).eval()
         return lambda x: model(x.to(env.device))[1]

@@ -46,7 +46,7 @@ class PromptFL(ClipPromptMethod):
     def aggregate(self, env, shared, uploads, rng):
         return {"ctx": weighted_mean(uploads, "ctx")}
 
-    def predictor(self, env, shared, private):
+    def predictor(self, env, shared, private, data=None):
         with torch.no_grad():
             text = env.prompts.text_features(shared["ctx"].to(env.device))
         return lambda feats: self.logits(env, feats.to(env.device), text)

@@ -32,7 +32,7 @@ class ZeroShot(ClipPromptMethod):
     def aggregate(self, env, shared, uploads, rng):
         return {}
 
-    def predictor(self, env, shared, private):
+    def predictor(self, env, shared, private, data=None):
         with torch.no_grad():
             text = env.tower.encode_texts([self.opts.template.format(c.replace("_", " ")) for c in env.classnames])
         return lambda feats: self.logits(env, feats.to(env.device), text)

@@ -274,7 +274,7 @@ class ClientHost:
         out = []
         bs = self.cfg.test_batch_size
         for cid in sorted(client_ids if client_ids is not None else self.clients):
-            predict = self.method.predictor(self.env, shared, self._private(cid))
+            predict = self.method.predictor(self.env, shared, self._private(cid), self.data[cid])
             top1, top5 = [], []
             for i in range(0, len(self.eval_y), bs):
                 logits = predict(self.eval_x[i : i + bs]).float().cpu()
