@@ -1,0 +1,96 @@
+"""Membership inference on released class prototypes (vpdr.txt section 5; SPEC 3.7).
+
+The server sees a client's (noisy) class prototype p~_c. For a candidate sample with feature z and
+label c, the attacker scores membership by the similarity of z to p~_c: training samples pulled the
+prototype towards themselves, so members score higher than non-members. Metrics per class, then
+macro-averaged: ROC-AUC, TPR at FPR 1% and 0.1%, the membership advantage max(TPR - FPR), and F1 at
+the best threshold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class MIAResult:
+    auc: float
+    tpr_at_1pct_fpr: float
+    tpr_at_01pct_fpr: float
+    advantage: float
+    f1: float
+    classes: int
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "auc": self.auc,
+            "tpr@1%fpr": self.tpr_at_1pct_fpr,
+            "tpr@0.1%fpr": self.tpr_at_01pct_fpr,
+            "advantage": self.advantage,
+            "f1": self.f1,
+            "classes": float(self.classes),
+        }
+
+
+def membership_scores(features: Tensor, labels: Tensor, prototypes: dict[int, Tensor], metric: str = "cosine") -> Tensor:
+    """Score of each (feature, label) pair against the released prototype of its class."""
+    protos = torch.stack([prototypes[int(c)] for c in labels.tolist()]).to(features.dtype)
+    if metric == "cosine":
+        return F.cosine_similarity(features, protos, dim=-1)
+    if metric == "l2":
+        return -(features - protos).norm(dim=-1)
+    raise ValueError(f"metric must be cosine or l2, got {metric!r}")
+
+
+def roc_metrics(member: np.ndarray, nonmember: np.ndarray) -> tuple[float, float, float, float, float]:
+    """(AUC, TPR@1%FPR, TPR@0.1%FPR, advantage, best F1) of scores where members should score higher."""
+    scores = np.concatenate([member, nonmember])
+    truth = np.concatenate([np.ones(len(member)), np.zeros(len(nonmember))])
+    order = np.argsort(-scores, kind="stable")
+    s, t = scores[order], truth[order]
+    distinct = np.r_[np.flatnonzero(np.diff(s)), len(s) - 1]  # last index of each tied score
+    tp = np.cumsum(t)[distinct]
+    fp = np.cumsum(1 - t)[distinct]
+    P, N = max(1.0, truth.sum()), max(1.0, (1 - truth).sum())
+    tpr = np.r_[0.0, tp / P]
+    fpr = np.r_[0.0, fp / N]
+    auc = float(np.trapezoid(tpr, fpr))
+
+    def tpr_at(limit: float) -> float:
+        ok = fpr <= limit
+        return float(tpr[ok].max()) if ok.any() else 0.0
+
+    precision = np.divide(tp, tp + fp, out=np.zeros_like(tp), where=(tp + fp) > 0)
+    recall = tp / P
+    f1 = np.divide(2 * precision * recall, precision + recall, out=np.zeros_like(tp), where=(precision + recall) > 0)
+    return auc, tpr_at(0.01), tpr_at(0.001), float((tpr - fpr).max()), float(f1.max()) if len(f1) else 0.0
+
+
+def prototype_mia(
+    member_features: Tensor,
+    member_labels: Tensor,
+    nonmember_features: Tensor,
+    nonmember_labels: Tensor,
+    prototypes: dict[int, Tensor],
+    *,
+    metric: str = "cosine",
+    max_per_class: int = 800,
+) -> MIAResult:
+    """Macro-averaged MIA metrics over the classes that have a prototype and both kinds of sample."""
+    sm = membership_scores(member_features, member_labels, prototypes, metric).numpy()
+    sn = membership_scores(nonmember_features, nonmember_labels, prototypes, metric).numpy()
+    per_class = []
+    for c in sorted(prototypes):
+        a = sm[member_labels.numpy() == c][:max_per_class]
+        b = sn[nonmember_labels.numpy() == c][:max_per_class]
+        if len(a) and len(b):
+            per_class.append(roc_metrics(a, b))
+    if not per_class:
+        raise ValueError("no class has a prototype, members and non-members")
+    m = np.mean(np.array(per_class), axis=0)
+    return MIAResult(float(m[0]), float(m[1]), float(m[2]), float(m[3]), float(m[4]), len(per_class))
