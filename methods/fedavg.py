@@ -32,7 +32,7 @@ from raysim.methods.base import ClientData, LocalResult, Upload, register_method
 from raysim.methods.common import weighted_mean
 from raysim.methods.hetero import HeteroMethod, HtEnv
 from raysim.models.zoo import FAMILIES, HtModel, make_client_model
-from raysim.sampling import batch_indices, batches_per_epoch
+from raysim.sampling import epoch_batches
 
 
 # every architecture of the zoo (all ResNet-n are in HtFE9)
@@ -142,11 +142,7 @@ class Homogeneous:
         n, bs = data.num_train, self.train.batch_size
         losses = []
         for _ in range(self.opts.finetune_epochs):
-            if self.opts.shuffle:
-                batches = list(batch_indices(n, bs, g))
-            else:
-                batches = [torch.arange(i * bs, min(n, (i + 1) * bs)) for i in range(batches_per_epoch(n, bs))]
-            for idx in batches:
+            for idx in epoch_batches(n, bs, g, shuffle=self.opts.shuffle):
                 idx = idx.to(env.device)
                 loss = F.cross_entropy(head(feats[idx]), y[idx])
                 opt.zero_grad(set_to_none=True)

@@ -14,7 +14,7 @@ from torch import Tensor
 from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, EnvSpec, Method, Upload
 from raysim.models.zoo import HtModel, arch_of, make_client_model
-from raysim.sampling import batch_indices, batches_per_epoch
+from raysim.sampling import epoch_batches
 
 
 @dataclass
@@ -93,11 +93,7 @@ class HeteroMethod(Method):
         n, bs = data.num_train, self.train.batch_size
         losses = []
         for _ in range(self.train.local_epochs):
-            if self.opts.shuffle:
-                batches = list(batch_indices(n, bs, rng))
-            else:
-                batches = [torch.arange(i * bs, min(n, (i + 1) * bs)) for i in range(batches_per_epoch(n, bs))]
-            for idx in batches:
+            for idx in epoch_batches(n, bs, rng, shuffle=self.opts.shuffle):
                 if len(idx) < 2:  # BatchNorm cannot train on one sample
                     continue
                 x, y = data.x_train[idx].to(env.device), data.y_train[idx].to(env.device)

@@ -49,6 +49,14 @@ def batches_per_epoch(n: int, batch_size: int) -> int:
     return n // batch_size if n >= batch_size else 1
 
 
+def epoch_batches(n: int, batch_size: int, rng: torch.Generator, *, shuffle: bool = True) -> list[torch.Tensor]:
+    """One epoch's mini-batches: shuffled by `rng`, or in the data's own order (the official FedTSP
+    loaders); drop_last when n >= B either way."""
+    if shuffle:
+        return list(batch_indices(n, batch_size, rng))
+    return [torch.arange(i * batch_size, min(n, (i + 1) * batch_size)) for i in range(batches_per_epoch(n, batch_size))]
+
+
 def batch_indices(n: int, batch_size: int, rng: torch.Generator) -> Iterator[torch.Tensor]:
     """Shuffled mini-batches of one epoch, drop_last when n >= B."""
     perm = torch.randperm(n, generator=rng)

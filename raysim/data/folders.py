@@ -270,17 +270,17 @@ def _load_coop(name: str, spec: LoadSpec) -> DatasetBundle:
     )
 
 
-def _register_coop(name: str) -> None:
+def _register(name: str, load, how: str) -> None:
     def loader(spec: LoadSpec) -> DatasetBundle:
-        return _load_coop(name, spec)
+        return load(name, spec)
 
     loader.__name__ = f"load_{name}"
-    loader.__doc__ = f"{name} with CoOp's split ({LAYOUTS[name]}); deterministic resize+center-crop transform."
+    loader.__doc__ = f"{name} {how} ({LAYOUTS[name]}); deterministic resize+center-crop transform."
     register_dataset(name)(loader)
 
 
 for _name in COOP:
-    _register_coop(_name)
+    _register(_name, _load_coop, "with CoOp's split")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -423,16 +423,7 @@ def _load_domains(name: str, spec: LoadSpec) -> DatasetBundle:
     )
 
 
-def _register_domain(name: str) -> None:
-    def loader(spec: LoadSpec) -> DatasetBundle:
-        return _load_domains(name, spec)
-
-    loader.__name__ = f"load_{name}"
-    loader.__doc__ = f"{name} by domain ({LAYOUTS[name]}); deterministic resize+center-crop transform."
-    register_dataset(name)(loader)
-
-
 for _name in DOMAIN:
-    _register_domain(_name)
+    _register(_name, _load_domains, "by domain")
 
 __all__ = ["LAYOUTS", "COOP", "DOMAIN", "ImageItems", "make_transform", "make_signature"]
