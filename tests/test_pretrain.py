@@ -1,4 +1,5 @@
-"""raysim.pretrain: a few steps write a checkpoint that open_clip loads back like real CLIP weights."""
+"""raysim.pretrain: a few steps write a checkpoint that open_clip loads back like real CLIP weights, and the
+shipped `raysim-clip` asset assembles into a checkpoint with real zero-shot ability."""
 
 from __future__ import annotations
 
@@ -16,18 +17,19 @@ from raysim import pretrain as pt  # noqa: E402
 from raysim.data import synthetic as syn  # noqa: E402
 
 BENCH = syn.SyntheticParams(classes=("circle", "seven", "letter A"), train_per_cell=2, test_per_cell=3, seed=5)
-TINY_MODEL = dict(embed_dim=32, vision_width=32, vision_layers=1, patch_size=8, text_width=32, text_layers=1)
+TINY_VIT = dict(embed_dim=32, vision_width=32, vision_layers=1, patch_size=8, text_width=32, text_layers=1)
 
 
-def _run(tmp_path, text):
-    out = tmp_path / text
-    pt.pretrain(out=str(out), steps=3, text=text, batch_size=16, per_cell=2, classes=syn.CLASS_POOL[:4],
-                warmup=1, cache_dir=str(tmp_path / "cache"), bench=BENCH, progress=False, **TINY_MODEL)
+def _run(tmp_path, text, vision, **kw):
+    out = tmp_path / f"{text}-{vision}"
+    pt.pretrain(out=str(out), steps=3, text=text, vision=vision, batch_size=16, per_cell=2,
+                classes=syn.CLASS_POOL[:4], warmup=1, cache_dir=str(tmp_path / "cache"), bench=BENCH,
+                progress=False, **kw)
     return out
 
 
-def test_pretrain_clip_writes_loadable_checkpoint(tmp_path):
-    out = _run(tmp_path, "clip")
+def test_pretrain_clip_vit_writes_loadable_checkpoint(tmp_path):
+    out = _run(tmp_path, "clip", "vit", **TINY_VIT)
     meta = json.loads((out / pt.META).read_text())
     name = meta["model_name"]
     for f in (pt.CHECKPOINT, pt.CARD, pt.METRICS, f"{name}.json"):
@@ -53,10 +55,11 @@ def test_pretrain_clip_writes_loadable_checkpoint(tmp_path):
     assert torch.allclose(ref, got, atol=1e-5)
 
 
-def test_pretrain_minilm_text_tower(tmp_path):
-    out = _run(tmp_path, "minilm")
+def test_pretrain_minilm_cnn_and_export(tmp_path):
+    out = _run(tmp_path, "minilm", "cnn", embed_dim=32)
     model, tok, name = pt.load(out)
     assert isinstance(model.text, open_clip.hf_model.HFTextEncoder)
+    assert isinstance(model.visual, open_clip.timm_model.TimmModel)
     trained = torch.load(out / pt.CHECKPOINT, weights_only=True)
     assert torch.allclose(model.text.proj.weight, trained["text.proj.weight"].float())
     ids = tok(["a photo of a circle.", "a cartoon of a letter a."])
@@ -65,3 +68,28 @@ def test_pretrain_minilm_text_tower(tmp_path):
         ref = model.encode_text(ids)
         got = pt.encode_text_with_embeddings(model, pt.token_embedding(model)(ids), mask)
     assert torch.allclose(ref, got, atol=1e-4)
+    # the asset holds the trained weights only, and a placeholder for the MiniLM folder
+    asset = pt.export_asset(out, tmp_path / "asset")
+    cfg = json.loads((asset / pt.ASSET_CONFIG).read_text())
+    assert cfg["text_cfg"]["hf_model_name"] == pt.MINILM_PLACEHOLDER
+    shipped = torch.load(asset / pt.ASSET_WEIGHTS, weights_only=True)
+    assert "text.proj.weight" in shipped and not any(k.startswith(pt.FROZEN_PREFIX) for k in shipped)
+    assert (asset / pt.CARD).is_file()
+
+
+def test_bundled_checkpoint_has_real_zero_shot_ability(tmp_path):
+    cache = str(tmp_path / "cache")
+    path = pt.bundled_checkpoint(cache)
+    made = path.stat().st_mtime_ns
+    assert pt.bundled_checkpoint(cache) == path and path.stat().st_mtime_ns == made  # reused, not rebuilt
+    assert (pt.ASSET_DIR / pt.ASSET_WEIGHTS).stat().st_size < 10e6
+    name = pt.register_bundled()
+    model = open_clip.create_model(name, pretrained=str(path))  # strict loading, as for real CLIP weights
+    tok = open_clip.get_tokenizer(name)
+    # the first 4 images of every (class, domain) cell of the `synthetic` test split (never seen in training)
+    params = syn.SyntheticParams(train_per_cell=1, test_per_cell=4)
+    _, test = syn.generate(params, cache)
+    acc = pt.zero_shot_accuracy(model, tok, test.images, test.labels, list(params.classes), test.domains,
+                                list(params.domains))
+    assert acc["overall"] > acc["chance"] + 30, acc
+    assert all(acc[d] > acc["chance"] + 10 for d in syn.DOMAINS), acc
