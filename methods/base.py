@@ -39,6 +39,7 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 5e-4
     n_ctx: int = 16
+    ctx_init: str = ""
     rounds: int = 10
     num_clients: int = 10
     seed: int = 1

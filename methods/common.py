@@ -31,11 +31,13 @@ class ClipPromptMethod(Method):
     frozen text tower and the CoOp prompts, and logits are s * <v(x), t_c> (SPEC 1.1)."""
 
     input = "features"
+    supports_ctx_init = False  # True for methods that learn one CoOp context (they start it from ctx_init)
 
     def build_env(self, spec: EnvSpec, *, role: str):
         from raysim.models.clip import build_clip_env
 
-        return build_clip_env(spec.model, spec.classnames, self.train.n_ctx, device=spec.device)
+        ctx_init = self.train.ctx_init if self.supports_ctx_init else ""
+        return build_clip_env(spec.model, spec.classnames, self.train.n_ctx, device=spec.device, ctx_init=ctx_init)
 
     @staticmethod
     def logits(env, image_features: Tensor, text_features: Tensor) -> Tensor:

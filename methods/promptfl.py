@@ -18,10 +18,10 @@ from raysim.sampling import batch_indices
 class PromptFL(ClipPromptMethod):
     name = "promptfl"
     uploads = ("ctx",)
+    supports_ctx_init = True
 
     def init_shared(self, env, rng):
-        ctx = torch.randn(self.train.n_ctx, env.ctx_width, generator=rng) * 0.02
-        return {"ctx": ctx}
+        return {"ctx": env.prompts.initial_context(rng)}
 
     def local_train(self, env, shared, private, data: ClientData, *, rng, privacy) -> LocalResult:
         ctx = shared["ctx"].clone().to(env.device).requires_grad_(True)

@@ -65,6 +65,7 @@ def make_method(cfg: RunConfig) -> Method:
         momentum=cfg.momentum,
         weight_decay=cfg.weight_decay,
         n_ctx=cfg.n_ctx,
+        ctx_init=cfg.ctx_init,
         rounds=cfg.rounds,
         num_clients=cfg.num_clients,
         seed=cfg.seed,

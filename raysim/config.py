@@ -53,7 +53,7 @@ class RunConfig:
 
     # what to run
     method: str = "promptfl"
-    dataset: str = "digits"
+    dataset: str = "synthetic"
     data_root: str = "./data"  # folder holding real datasets in the layouts of README "Datasets"
     download: bool = False  # let torchvision download datasets that support it (needs internet)
     partition: str = "pathological"  # pathological | dirichlet | domain | iid
@@ -66,14 +66,15 @@ class RunConfig:
     local_epochs: int = 1
     batch_size: int = 32
     test_batch_size: int = 512
-    lr: float = 0.002
+    lr: float = 0.01
     momentum: float = 0.9
     weight_decay: float = 5e-4
     seed: int = 1
     # model
-    model: str = "raysim-tiny"  # any open_clip model name (ViT-B-16, ...) or raysim-tiny
-    pretrained: str = ""  # open_clip pretrained tag (openai, laion2b_s34b_b88k, ...) or a checkpoint path; "" = random init
-    n_ctx: int = 16  # learned context tokens of the CoOp prompt learner
+    model: str = "raysim-clip"  # any open_clip model name (ViT-B-16, ...), raysim-clip (bundled) or raysim-tiny
+    pretrained: str = "bundled"  # open_clip tag (openai, ...), a checkpoint path, "bundled" (raysim-clip), "" = random init
+    n_ctx: int = 4  # learned context tokens of the CoOp prompt learner (the papers use 16 with ViT-B/16)
+    ctx_init: str = "a photo of a"  # PromptFL starts its context from this phrase (n_ctx tokens); "" = random
     # evaluation (SPEC 1.10: every eval_every rounds plus each of the last eval_last rounds)
     eval_every: int = 5
     eval_last: int = 5

@@ -35,6 +35,10 @@ def tiny_config(tmp_path, cache_dir: str, **overrides):
     values = dict(
         method="promptfl",
         dataset="digits",
+        model="raysim-tiny",  # random weights: fast; tests of the bundled model live in test_offline_benchmark
+        pretrained="",
+        n_ctx=16,
+        ctx_init="",
         num_clients=4,
         rounds=3,
         eval_every=1,

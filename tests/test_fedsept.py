@@ -117,7 +117,8 @@ def test_only_A_is_uploaded(env):
 
 
 def test_communication_per_round_matches_the_paper():
-    wide = SimpleNamespace(ctx_width=512, device=torch.device("cpu"))
+    wide = SimpleNamespace(ctx_width=512, device=torch.device("cpu"))  # ViT-B/16's text width, L=16
+    wide.prompts = SimpleNamespace(initial_context=lambda rng: torch.randn(16, 512, generator=rng) * 0.02)
     cls = get_method("fedsept")
     fed = cls(TrainConfig(n_ctx=16), cls.Options(experts=4, rank=16))
     pfl = get_method("promptfl")(TrainConfig(n_ctx=16), None)
@@ -236,6 +237,7 @@ def test_engine_run_with_dp_stays_within_budget(tmp_path):
     cfg = build_config(
         dict(
             method="fedsept", rounds=2, backend="inline", out_dir=str(tmp_path / "r"), progress=False,
+            dataset="digits", model="raysim-tiny", pretrained="", n_ctx=16,
             tensorboard=False, cache_dir=str(tmp_path / "cache"), dp={"epsilon": 1.0},
         )
     )

@@ -231,6 +231,7 @@ def _run(tmp_path, method, section, rounds=2, clients=4):
 
     cfg = build_config({
         "method": method, "dataset": "digits", "partition": "dirichlet", "beta": 0.5, "shots": 0,
+        "model": "raysim-tiny", "pretrained": "",
         "num_clients": clients, "rounds": rounds, "backend": "inline", "out_dir": str(tmp_path / method),
         "progress": False, "tensorboard": False, "cache_dir": str(tmp_path / "c"), "batch_size": 32,
         "eval_every": 1, method: section,

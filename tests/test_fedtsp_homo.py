@@ -182,6 +182,7 @@ def _run(tmp_path, method, section, tag):
 
     cfg = build_config({
         "method": method, "dataset": "digits", "partition": "dirichlet", "beta": 0.5, "shots": 0,
+        "model": "raysim-tiny", "pretrained": "",
         "num_clients": 4, "rounds": 2, "backend": "inline", "out_dir": str(tmp_path / tag),
         "progress": False, "tensorboard": False, "cache_dir": str(tmp_path / "c"), "batch_size": 32,
         "eval_every": 1, method: section,

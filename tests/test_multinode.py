@@ -126,7 +126,8 @@ from raysim.engine import run
 seen = {}
 def on_round(row):
     seen.update(client_actor_nodes())  # while the federation's actors are alive
-cfg = build_config(dict(method="promptfl", dataset="digits", num_clients=2, rounds=2, eval_every=1, eval_last=1,
+cfg = build_config(dict(method="promptfl", dataset="digits", model="raysim-tiny", pretrained="", ctx_init="",
+                        num_clients=2, rounds=2, eval_every=1, eval_last=1,
                         backend="ray", placement="actor_per_client", client_cpus=1, address=address,
                         progress=False, cache_dir=cache_dir, out_dir=out_dir))
 result = run(cfg, on_round=on_round)

@@ -247,10 +247,11 @@ class CoOpPrompts(nn.Module):
     context vectors (SPEC 1.1: end position, underscores to spaces). Holds the frozen prefix (SOT)
     and suffix (class tokens, ".", EOT, padding) per class."""
 
-    def __init__(self, tower: TextTower, classnames: Sequence[str], n_ctx: int) -> None:
+    def __init__(self, tower: TextTower, classnames: Sequence[str], n_ctx: int, ctx_init: str = "") -> None:
         super().__init__()
         self.tower = tower
         self.n_ctx = n_ctx
+        self.ctx_init = ctx_init
         names = [c.replace("_", " ") for c in classnames]
         tokens = tower.tokenize([" ".join(["X"] * n_ctx) + " " + n + "." for n in names])
         placeholder = tower.tokenize(["X"])[0, 1]
@@ -262,6 +263,17 @@ class CoOpPrompts(nn.Module):
         self.register_buffer("meta", tower.meta(tokens), persistent=False)
         self.register_buffer("placeholder", emb[:, 1 : 1 + n_ctx].clone(), persistent=False)
         self.num_classes = len(names)
+        if ctx_init:  # CoOp's CTX_INIT: start the context from the embeddings of a phrase
+            init = tower.tokenize([ctx_init])
+            if not bool((tower.meta(tower.tokenize([" ".join(["X"] * n_ctx)])) == tower.meta(init)).all()):
+                raise ConfigError(f"ctx_init {ctx_init!r} must have exactly n_ctx={n_ctx} tokens; change n_ctx or the phrase")
+            self.register_buffer("init_ctx", tower.embed_tokens(init)[0, 1 : 1 + n_ctx].clone(), persistent=False)
+
+    def initial_context(self, rng: torch.Generator) -> Tensor:
+        """(L, w) starting context: the ctx_init phrase's embeddings, or N(0, 0.02^2) (SPEC 1.1)."""
+        if self.ctx_init:
+            return self.init_ctx.detach().cpu().clone()
+        return torch.randn(self.n_ctx, self.tower.width, generator=rng) * 0.02
 
     def embeddings(self, ctx: Tensor, per_class: bool = False) -> Tensor:
         """Full prompt embeddings (..., C, T, w) from context vectors: shared across classes, ctx of shape
@@ -308,10 +320,11 @@ class ClipEnv:
         return self.tower.width
 
 
-def build_clip_env(spec: ModelSpec, classnames: Sequence[str], n_ctx: int, device: str | torch.device = "cpu") -> ClipEnv:
+def build_clip_env(spec: ModelSpec, classnames: Sequence[str], n_ctx: int, device: str | torch.device = "cpu",
+                   ctx_init: str = "") -> ClipEnv:
     clip = load_clip(spec, device="cpu")
     tower = build_text_tower(clip, spec.model).to(device)
-    prompts = CoOpPrompts(tower, classnames, n_ctx).to(device)
+    prompts = CoOpPrompts(tower, classnames, n_ctx, ctx_init).to(device)
     return ClipEnv(
         tower=tower,
         prompts=prompts,
