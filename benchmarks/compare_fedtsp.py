@@ -64,6 +64,24 @@ def table(results: dict[str, dict[int, dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
+def semantic_structure(out_dir: Path, rounds: int, dataset: str, classnames: list[str]) -> dict[str, float] | None:
+    """Figure-1 measures of the final global prototypes (FedTSP's text prototypes, FedProto/FedTGP's
+    prototypes): Spearman rho against the class hierarchy and the semantic gap; None when the method
+    keeps no global prototypes or the dataset has no known hierarchy."""
+    from raysim.errors import ConfigError
+    from raysim.semantics import semantic_report
+    from raysim.store import StateStore
+
+    state = StateStore(out_dir).load_server(rounds - 1) or {}
+    protos = state.get("text_protos", state.get("protos"))
+    if protos is None or float(protos.abs().sum()) == 0:
+        return None
+    try:
+        return semantic_report(protos, dataset, classnames)
+    except ConfigError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", default="digits")
@@ -105,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     variants = {"fedavg_ft": "fedavg", "fedtsp_gfl_ft": "fedtsp_gfl"}  # -FT: the head fine-tuned per client
     results = {}
+    semantics: dict[str, dict[str, float] | None] = {}
+    classnames: list[str] = []
     for name in [m.strip() for m in a.methods.split(",") if m.strip()]:
         method = variants.get(name, name)
         section = dict(sections.get(method, {}))
@@ -120,11 +140,19 @@ def main(argv: list[str] | None = None) -> int:
         })
         res = run(cfg)
         results[name] = round_metrics(res.out_dir / "client_results.csv")
+        from raysim.data import DATASETS, LoadSpec
+
+        if name == next(iter([m.strip() for m in a.methods.split(",") if m.strip()])):
+            classnames = DATASETS.get(a.dataset)(LoadSpec(data_root=cfg.data_root, image_size=32, cache_dir=cfg.cache_dir)).classnames
+        semantics[name] = semantic_structure(res.out_dir, a.rounds, a.dataset, classnames)
         print(f"{name}: {a.rounds} rounds in {time.perf_counter() - t0:.0f}s -> {res.out_dir}", file=sys.stderr, flush=True)
     title = (f"{a.dataset}, Dirichlet beta={a.beta}, {a.clients} clients, {a.family}, {a.rounds} rounds, "
              f"E={a.local_epochs}, B={a.batch_size}, FedTSP plm={a.plm} lambda={a.lam}; homogeneous model {a.homo_model}, "
              f"-FT {a.finetune_epochs} epoch(s); accuracies in %")
-    text = f"### {title}\n\n{table(results)}\n"
+    sem = [f"| {n} | {s['spearman']:.3f} | {s['semantic_gap']:.3f} |" for n, s in semantics.items() if s is not None]
+    sem_text = ("\n#### Semantic structure of the global prototypes (fedtsp.txt Figure 1)\n\n"
+                "| Method | Spearman rho vs hierarchy | semantic gap |\n|---|---:|---:|\n" + "\n".join(sem) + "\n") if sem else ""
+    text = f"### {title}\n\n{table(results)}\n{sem_text}"
     print(text)
     (out / "table.md").write_text(text)
     return 0
