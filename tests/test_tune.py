@@ -136,3 +136,17 @@ def test_smoke_sweep_2x2(ray_session, tmp_path, cache_dir):
     assert len(again) == 4 and again.attrs["num_errors"] == 0
     with pytest.raises(ConfigError, match="already holds an experiment"):
         run_sweep(spec, verbose=0)
+
+
+def test_asha_stops_weak_trials_early(ray_session, tmp_path, cache_dir):
+    """ASHA (grace period 1, halving) ends the worse trials after their first rounds; every trial still
+    gets its row, with how many rounds it ran."""
+    from raysim.tune import run_sweep
+
+    spec = smoke_spec(tmp_path, cache_dir, name="asha")
+    spec["base"]["rounds"] = 3
+    spec["asha"] = {"max_t": 3, "grace_period": 1, "reduction_factor": 2}
+    df = run_sweep(spec, verbose=0)
+    assert len(df) == 4 and df.attrs["num_errors"] == 0
+    assert (df["status"] == "stopped").any() and (df["rounds_done"] < 3).any()
+    assert (df["rounds_done"] == 3).any()  # the best trial runs to the end
