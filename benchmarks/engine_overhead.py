@@ -67,7 +67,9 @@ def main(argv=None) -> int:
     ap.add_argument("--participation", type=float, default=0.1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--actors", type=int, default=2)
-    ap.add_argument("--model", default="raysim-tiny")
+    ap.add_argument("--model", default="raysim-clip", help="raysim-clip (bundled weights) or any open_clip model")
+    ap.add_argument("--pretrained", default=None, help="default: bundled for raysim-clip, else random weights")
+    ap.add_argument("--dataset", default="synthetic")
     ap.add_argument("--partition", default="iid")
     args = ap.parse_args(argv)
 
@@ -76,7 +78,8 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="raysim-bench-"))
     common = dict(
         method="promptfl",
-        dataset="digits",
+        dataset=args.dataset,
+        pretrained=args.pretrained if args.pretrained is not None else ("bundled" if args.model == "raysim-clip" else ""),
         partition=args.partition,
         beta=0.5,
         shots=0,
