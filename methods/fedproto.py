@@ -22,12 +22,18 @@ from raysim.models.zoo import FAMILIES
 
 
 @dataclass
-class Options:
+class ZooOptions:
+    """Knobs shared by the prototype methods on the heterogeneous client zoo."""
+
     lam: float = 1.0
     model_family: str = "HtFE2"  # HtFE2 | HtFE3 | HtFE4 | HtFE9 | tiny
     feature_dim: int = 512
     client_lr: float = 0.01
     shuffle: bool = False  # False = fixed data order (the official loaders)
+
+
+@dataclass
+class Options(ZooOptions):
     proto_weighting: str = "samples"  # samples | uniform
 
     def validate(self) -> None:

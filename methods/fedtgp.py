@@ -19,17 +19,12 @@ from torch import Tensor, nn
 
 from raysim.errors import ConfigError
 from raysim.methods.base import register_method
-from raysim.methods.fedproto import FedProto, validate_common
+from raysim.methods.fedproto import FedProto, ZooOptions, validate_common
 from raysim.methods.hetero import aggregate_prototypes, stack_uploads
 
 
 @dataclass
-class Options:
-    lam: float = 1.0
-    model_family: str = "HtFE2"  # HtFE2 | HtFE3 | HtFE4 | HtFE9 | tiny
-    feature_dim: int = 512
-    client_lr: float = 0.01
-    shuffle: bool = False
+class Options(ZooOptions):
     server_epochs: int = 100
     server_lr: float = 0.01
     server_hidden: int = 512

@@ -4,16 +4,7 @@ from raysim.data.base import DATASETS, DatasetBundle, ImageSet, LoadSpec, Tensor
 from raysim.data.partition import PARTITIONERS, ClientSplit, PartitionSpec, partition
 
 # dataset modules register themselves on import
-from raysim.data import digits  # noqa: F401,E402
-
-try:  # optional modules written alongside (each registers its datasets)
-    from raysim.data import synthetic  # noqa: F401
-except ImportError:  # pragma: no cover - only while the module is absent
-    pass
-try:
-    from raysim.data import folders  # noqa: F401
-except ImportError:  # pragma: no cover
-    pass
+from raysim.data import digits, folders, synthetic  # noqa: F401,E402
 
 
 def dataset_names() -> list[str]:
