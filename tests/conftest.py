@@ -54,3 +54,23 @@ def tiny_config(tmp_path, cache_dir: str, **overrides):
     )
     values.update(overrides)
     return build_config(values)
+
+
+def run_on_digits(tmp_path, method, section, *, tag=None, rounds=2, clients=4):
+    """A short inline run of an image-input method on digits (Dirichlet skew, tiny random CLIP for the
+    text side); returns the RunResult and the rows of client_results.csv."""
+    import csv
+
+    from raysim.config import build_config
+    from raysim.engine import run
+
+    cfg = build_config({
+        "method": method, "dataset": "digits", "partition": "dirichlet", "beta": 0.5, "shots": 0,
+        "model": "raysim-tiny", "pretrained": "",
+        "num_clients": clients, "rounds": rounds, "backend": "inline", "out_dir": str(tmp_path / (tag or method)),
+        "progress": False, "tensorboard": False, "cache_dir": str(tmp_path / "c"), "batch_size": 32,
+        "eval_every": 1, method: section,
+    })
+    res = run(cfg)
+    with open(res.out_dir / "client_results.csv") as f:
+        return res, list(csv.DictReader(f))

@@ -3,11 +3,12 @@ client zoo, the private embedding release, and short end-to-end runs on the bund
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 
 import pytest
+
+from conftest import run_on_digits
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -225,26 +226,9 @@ def test_private_release_path_server_never_sees_class_names():
 
 
 # ------------------------------------------------------------------------------------- end to end
-def _run(tmp_path, method, section, rounds=2, clients=4):
-    from raysim.config import build_config
-    from raysim.engine import run
-
-    cfg = build_config({
-        "method": method, "dataset": "digits", "partition": "dirichlet", "beta": 0.5, "shots": 0,
-        "model": "raysim-tiny", "pretrained": "",
-        "num_clients": clients, "rounds": rounds, "backend": "inline", "out_dir": str(tmp_path / method),
-        "progress": False, "tensorboard": False, "cache_dir": str(tmp_path / "c"), "batch_size": 32,
-        "eval_every": 1, method: section,
-    })
-    res = run(cfg)
-    with open(res.out_dir / "client_results.csv") as f:
-        rows = list(csv.DictReader(f))
-    return res, rows
-
-
 @pytest.mark.parametrize("plm", ["bert", "clip"])
 def test_fedtsp_end_to_end(tmp_path, plm):
-    res, rows = _run(tmp_path, "fedtsp", {"plm": plm, "model_family": "tiny", "lam": 1.0})
+    res, rows = run_on_digits(tmp_path, "fedtsp", {"plm": plm, "model_family": "tiny", "lam": 1.0})
     assert len(rows) == 2 * 4 and {r["round"] for r in rows} == {"0", "1"}
     assert res.summary["in_client"] > 0.2  # 10 classes: well above chance after two rounds
     assert all(float(r["in_top5"]) >= float(r["in_client"]) for r in rows)
@@ -261,7 +245,7 @@ def test_fedtsp_end_to_end(tmp_path, plm):
     ("local", {"model_family": "tiny"}),
 ])
 def test_baselines_end_to_end(tmp_path, method, section):
-    res, rows = _run(tmp_path, method, section, rounds=1, clients=3)
+    res, rows = run_on_digits(tmp_path, method, section, rounds=1, clients=3)
     assert len(rows) == 3 and res.summary["in_client"] > 0.15
 
 

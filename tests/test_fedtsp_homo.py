@@ -4,11 +4,12 @@ the client's private state, and short end-to-end runs on the bundled digits."""
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 
 import pytest
+
+from conftest import run_on_digits
 import torch
 import torch.nn.functional as F
 
@@ -176,23 +177,6 @@ def test_options_are_validated():
 
 
 # ------------------------------------------------------------------------------------ end to end
-def _run(tmp_path, method, section, tag):
-    from raysim.config import build_config
-    from raysim.engine import run
-
-    cfg = build_config({
-        "method": method, "dataset": "digits", "partition": "dirichlet", "beta": 0.5, "shots": 0,
-        "model": "raysim-tiny", "pretrained": "",
-        "num_clients": 4, "rounds": 2, "backend": "inline", "out_dir": str(tmp_path / tag),
-        "progress": False, "tensorboard": False, "cache_dir": str(tmp_path / "c"), "batch_size": 32,
-        "eval_every": 1, method: section,
-    })
-    res = run(cfg)
-    with open(res.out_dir / "client_results.csv") as f:
-        rows = list(csv.DictReader(f))
-    return res, rows
-
-
 @pytest.mark.parametrize("method,section", [
     ("fedavg", {"model": "cnn_tiny"}),
     ("fedtsp_gfl", {"model": "cnn_tiny", "plm": "clip", "lam": 1.0}),
@@ -200,8 +184,8 @@ def _run(tmp_path, method, section, tag):
 def test_end_to_end_gfl_and_ft(tmp_path, method, section):
     from raysim.store import StateStore
 
-    res, rows = _run(tmp_path, method, section, "gfl")
-    res_ft, rows_ft = _run(tmp_path, method, {**section, "finetune_epochs": 2}, "ft")
+    res, rows = run_on_digits(tmp_path, method, section, tag="gfl")
+    res_ft, rows_ft = run_on_digits(tmp_path, method, {**section, "finetune_epochs": 2}, tag="ft")
     for rs in (rows, rows_ft):
         assert len(rs) == 2 * 4 and {r["round"] for r in rs} == {"0", "1"}
     # GFL: every client evaluates the one global model, so its accuracy on all test data is the same
