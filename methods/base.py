@@ -57,7 +57,10 @@ class EnvSpec:
 
 @dataclass
 class ClientData:
-    """One client's data as the method sees it (features of a frozen encoder, or images)."""
+    """One client's data as the method sees it (features of a frozen encoder, or images).
+
+    `tokens_*` (N, K, width), float16, are the frozen image tower's token sequences, present only for
+    methods whose `input` is "features+tokens"."""
 
     client_id: int
     x_train: Tensor
@@ -65,6 +68,8 @@ class ClientData:
     x_test: Tensor
     y_test: Tensor
     num_classes: int
+    tokens_train: Optional[Tensor] = None
+    tokens_test: Optional[Tensor] = None
 
     @property
     def num_train(self) -> int:
@@ -108,7 +113,7 @@ class PrivacyHandle(Protocol):
         ...
 
 
-Predictor = Callable[[Tensor], Tensor]
+Predictor = Callable[..., Tensor]  # predict(features) -> logits, or predict(features, tokens)
 
 
 class Method:
@@ -118,7 +123,9 @@ class Method:
     Options: ClassVar[type] = NoOptions
     uploads: ClassVar[tuple[str, ...]] = ()  # every tensor a client may send to the server
     server_only: ClassVar[tuple[str, ...]] = ()  # keys (or "prefix" for prefix.*) kept on the server, never broadcast
-    input: ClassVar[str] = "features"  # "features" (frozen CLIP image features) or "images"
+    # "features" (frozen CLIP image features), "features+tokens" (also the image tower's tokens: the
+    # predictor is then called as predict(features, tokens)) or "images"
+    input: ClassVar[str] = "features"
 
     def __init__(self, train: TrainConfig, options: Any) -> None:
         self.train = train

@@ -4,7 +4,8 @@ SEM   P_m = A_m B0 + R (Eq. 5). B0 is a public basis drawn from a public seed (n
       every host derives the bit-identical B0 in `build_env`); A = [A_1..A_M] is the only upload;
       R stays on the client.
 IEF   a private router pi(x) = softmax(W_gate MHA(u, v(x), v(x))) (Eq. 7) weights the experts'
-      logits (Eq. 9); per-expert text features are cached at inference.
+      logits (Eq. 9); per-expert text features are cached at inference. router="pooled" (official code)
+      attends over the one pooled feature v(x); router="patch" over the image tower's tokens (SPEC 1.3).
 Loss  l_i = CE_i + lambda_div L_div (Eq. 6) per sample; lambda_gate L_gate (Eq. 8) on the router only.
 DP    DP-SGD on A alone (Eq. 11); R and the router take the plain gradient.
 Server  expert-wise weighted average of A (Eq. 12).
@@ -49,7 +50,7 @@ class FedSEPTOptions:
     lambda_div: float = 10.0
     div_reduction: str = "sum"  # sum (paper Eq. 6, Frobenius) | mean (official code)
     lambda_gate: float = 10.0  # 0 reproduces the official code (no L_gate)
-    router: str = "pooled"  # pooled (official) | patch (needs patch-token features)
+    router: str = "pooled"  # pooled (official code: u is inert) | patch (attends over the image tokens)
     router_heads: int = 4
     router_dropout: float = 0.1
     variant: str = "full"  # full | single | full_meps | wo_r | top1 | uniform
@@ -68,11 +69,6 @@ class FedSEPTOptions:
         check(self.lambda_gate >= 0, f"fedsept.lambda_gate must be >= 0 (0 = the official code), got {self.lambda_gate}")
         check(self.div_reduction in ("sum", "mean"), f"fedsept.div_reduction must be sum or mean, got {self.div_reduction!r}")
         check(self.router in ("pooled", "patch"), f"fedsept.router must be pooled or patch, got {self.router!r}")
-        check(
-            self.router != "patch",
-            "fedsept.router=patch attends over the image's patch tokens, but clients here receive frozen pooled "
-            "image features only (one token per image, so the probe query would be inert); use router=pooled",
-        )
         check(self.router_heads >= 1, f"fedsept.router_heads must be >= 1, got {self.router_heads}")
         check(0 <= self.router_dropout < 1, f"fedsept.router_dropout must be in [0, 1), got {self.router_dropout}")
         check(self.variant in VARIANTS, f"fedsept.variant must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
@@ -102,9 +98,19 @@ class FedSEPT(ClipPromptMethod):
     def has_router(self) -> bool:
         return self.M > 1 and self.opts.variant != "uniform"
 
+    @property
+    def patch_router(self) -> bool:
+        return self.has_router and self.opts.router == "patch"
+
+    @property
+    def input(self) -> str:  # the patch router reads the frozen image tower's tokens as well
+        return "features+tokens" if self.patch_router else "features"
+
     # -- frozen parts: the CLIP text side and the public basis -------------------------------
     def build_env(self, spec, *, role: str):
         env = super().build_env(spec, role=role)
+        if self.patch_router and not env.token_dim:
+            raise ConfigError(f"fedsept.router=patch: raysim cannot read image tokens from {spec.model.model}; use router=pooled")
         self.B0 = self.basis(env)
         return env
 
@@ -138,7 +144,8 @@ class FedSEPT(ClipPromptMethod):
 
     def _router(self, env, rng, state=None):
         o = self.opts
-        router = make_router(env.feature_dim, self.M, o.router_heads, o.router_dropout, o.router, rng)
+        dim = env.token_dim if self.patch_router else env.feature_dim  # SPEC 1.3: 768 for ViT-B/16 tokens
+        router = make_router(dim, self.M, o.router_heads, o.router_dropout, o.router, rng)
         if state is not None:
             router.load_state_dict(state)
         return router.to(env.device)
@@ -149,9 +156,10 @@ class FedSEPT(ClipPromptMethod):
             return torch.full((feats.shape[0], self.M), 1.0 / self.M, device=feats.device)
         return router(feats)
 
-    def forward(self, env, A, R, router, feats, text=None):
-        """Fused logits (B, C) and the soft routing weights. `text`: cached (M, C, D) expert text features."""
-        pi_soft = self.route(router, feats)
+    def forward(self, env, A, R, router, feats, text=None, tokens=None):
+        """Fused logits (B, C) and the soft routing weights. `text`: cached (M, C, D) expert text features;
+        `tokens`: the images' (B, K, width) tokens, which the patch router reads instead of `feats`."""
+        pi_soft = self.route(router, tokens.float() if self.patch_router else feats)
         pi = hard_top1(pi_soft) if self.opts.variant == "top1" else pi_soft
         P = expert_prompts(A, self.M, self.basis(env), R)  # Eq. 5
         if self.opts.fusion == "prompt":
@@ -170,11 +178,12 @@ class FedSEPT(ClipPromptMethod):
         groups = [{"params": params}] + ([{"params": router_params, "weight_decay": 0.0}] if router_params else [])
         opt = sgd(groups, self.train)
         x, y = data.x_train.to(env.device), data.y_train.to(env.device)
+        tok = data.tokens_train.to(env.device) if self.patch_router else None
         losses = []
         with seeded(rng):  # router dropout draws from a stream of this (round, client)
             for _ in range(self.train.local_epochs):
                 for idx in batch_indices(data.num_train, self.train.batch_size, rng):
-                    logits, pi = self.forward(env, A, R, router, x[idx])
+                    logits, pi = self.forward(env, A, R, router, x[idx], tokens=None if tok is None else tok[idx])
                     ce = F.cross_entropy(logits, y[idx], reduction="none")
                     loss = ce + o.lambda_div * diversity_loss(A, self.M, o.div_reduction)  # per sample, before clipping
                     gate = o.lambda_gate * gate_loss(pi) if router_params and o.lambda_gate > 0 else None
@@ -209,7 +218,8 @@ class FedSEPT(ClipPromptMethod):
                 text = env.prompts.text_features(expert_prompts(A, self.M, self.basis(env), R))
 
         @torch.no_grad()
-        def predict(feats):
-            return self.forward(env, A, R, router, feats.to(env.device), text)[0]
+        def predict(feats, tokens=None):
+            tokens = None if tokens is None else tokens.to(env.device)
+            return self.forward(env, A, R, router, feats.to(env.device), text, tokens)[0]
 
         return predict

@@ -39,6 +39,8 @@ class FederationData:
     train_idx: list[np.ndarray]
     test_idx: list[np.ndarray]
     classnames: list[str]
+    tok_train: Optional[np.ndarray] = None  # image-tower tokens (N, K, width), for "features+tokens" methods
+    tok_test: Optional[np.ndarray] = None
 
     @property
     def num_clients(self) -> int:
@@ -118,18 +120,23 @@ class ClientHost:
         self.device = torch.device(spec.device)
         self.env = self.method.build_env(spec, role="client")
         xtr, ytr, xte, yte = (_as_tensor(a) for a in (data.x_train, data.y_train, data.x_test, data.y_test))
+        ttr, tte = (None if a is None else _as_tensor(a) for a in (data.tok_train, data.tok_test))
         self.num_classes = len(data.classnames)
         self.clients = sorted(client_ids)
         self.data: dict[int, ClientData] = {}
         for cid in self.clients:
             tr, te = torch.as_tensor(data.train_idx[cid]), torch.as_tensor(data.test_idx[cid])
-            self.data[cid] = ClientData(cid, xtr[tr], ytr[tr], xte[te], yte[te], self.num_classes)
+            self.data[cid] = ClientData(
+                cid, xtr[tr], ytr[tr], xte[te], yte[te], self.num_classes,
+                tokens_train=None if ttr is None else ttr[tr], tokens_test=None if tte is None else tte[te],
+            )
         # evaluation inputs: every client's test set, and who owns which row (Cross-Client, SPEC 1.10)
         self.test_owner = np.full(len(data.y_test), -1, dtype=np.int64)
         for cid, te in enumerate(data.test_idx):
             self.test_owner[te] = cid
         used = self.test_owner >= 0
         self.eval_x, self.eval_y = xte[torch.as_tensor(used)], yte[torch.as_tensor(used)]
+        self.eval_t = None if tte is None else tte[torch.as_tensor(used)]
         self.eval_owner = self.test_owner[used]
         self.store = StateStore(out_dir)
         self.private: dict[int, dict[str, Any]] = {}
@@ -278,7 +285,8 @@ class ClientHost:
             predict = self.method.predictor(self.env, shared, self._private(cid), self.data[cid])
             top1, top5 = [], []
             for i in range(0, len(self.eval_y), bs):
-                logits = predict(self.eval_x[i : i + bs]).float().cpu()
+                inputs = (self.eval_x[i : i + bs],) + (() if self.eval_t is None else (self.eval_t[i : i + bs],))
+                logits = predict(*inputs).float().cpu()
                 y = self.eval_y[i : i + bs]
                 top1.append(logits.argmax(-1) == y)
                 k = min(5, logits.shape[-1])

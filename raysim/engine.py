@@ -75,15 +75,25 @@ def prepare_data(cfg: RunConfig, method_input: str, *, progress: bool, image_siz
         test_domains=bundle.test.domains,
     )
     splits = partition(cfg.partition, pspec)
-    if method_input == "features":
-        xtr, xte = cached_image_features(
+    ttr = tte = None
+    if method_input in ("features", "features+tokens"):
+        tokens = method_input == "features+tokens"
+        xtr, xte, *toks = cached_image_features(
             bundle, model_spec=ModelSpec(cfg.model, cfg.pretrained, cache_dir=cfg.cache_dir), image_size=size, cache_dir=cfg.cache_dir,
-            device=resolve_device(cfg.device), progress=progress,
+            device=resolve_device(cfg.device), progress=progress, tokens=tokens,
         )
+        if tokens:
+            ttr, tte = toks
+            if ttr.shape[1] < 2:
+                raise ConfigError(
+                    f"{cfg.model}'s image tower yields {ttr.shape[1]} token per image at {size} px (a 1x1 feature map), "
+                    "so a router attending over tokens would ignore its probe query; use a ViT image tower "
+                    "(e.g. model=raysim-tiny, or a ViT checkpoint from `raysim pretrain --vision vit`) or fedsept.router=pooled"
+                )
     elif method_input == "images":
         xtr, xte = materialize_images(bundle.train.images), materialize_images(bundle.test.images)
     else:
-        raise ConfigError(f"method input {method_input!r} is not supported (features or images)")
+        raise ConfigError(f"method input {method_input!r} is not supported (features, features+tokens or images)")
     return FederationData(
         x_train=xtr.numpy(),  # features (N, D) or images (N, 3, S, S)
         y_train=bundle.train.labels.astype(np.int64),
@@ -92,6 +102,8 @@ def prepare_data(cfg: RunConfig, method_input: str, *, progress: bool, image_siz
         train_idx=[s.train for s in splits],
         test_idx=[s.test for s in splits],
         classnames=list(bundle.classnames),
+        tok_train=None if ttr is None else ttr.numpy(),  # (N, K, width) float16, only when asked for
+        tok_test=None if tte is None else tte.numpy(),
     )
 
 

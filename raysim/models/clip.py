@@ -53,9 +53,12 @@ class ModelSpec:
             import hashlib
 
             p = "bundled:" + hashlib.sha256((BUNDLED_ASSET / "trainable.pt").read_bytes()).hexdigest()[:16]
-        elif p and Path(p).expanduser().is_file():
-            st = Path(p).expanduser().stat()
-            p = f"{Path(p).expanduser().resolve()}:{st.st_size}:{int(st.st_mtime)}"
+        elif p and Path(p).expanduser().exists():  # a file, or a `raysim pretrain` folder (keyed by its checkpoint)
+            from raysim.pretrain import CHECKPOINT
+
+            path = Path(p).expanduser().resolve()
+            ckpt = path / CHECKPOINT if path.is_dir() else path
+            p = f"{path}:{ckpt.stat().st_size}:{int(ckpt.stat().st_mtime)}" if ckpt.is_file() else str(path)
         return f"{self.model}|{p or f'random{self.init_seed}'}"
 
 
@@ -64,6 +67,9 @@ def load_clip(spec: ModelSpec, device: str | torch.device = "cpu") -> nn.Module:
     import open_clip
 
     register_builtin_configs()
+    pretrained = spec.pretrained or None
+    if pretrained and Path(pretrained).expanduser().is_dir():  # registers the folder's model config first
+        pretrained = str(pretrain_folder_checkpoint(Path(pretrained).expanduser(), spec.model))
     if spec.model not in open_clip.list_models():
         import difflib
 
@@ -73,7 +79,6 @@ def load_clip(spec: ModelSpec, device: str | torch.device = "cpu") -> nn.Module:
             + (f"Close matches: {', '.join(hint)}. " if hint else "")
             + "Use raysim-tiny for a small random model, or e.g. ViT-B-16."
         )
-    pretrained = spec.pretrained or None
     if pretrained == BUNDLED_TAG:
         if spec.model != BUNDLED_MODEL:
             raise ConfigError(f"pretrained={BUNDLED_TAG} names this project's own {BUNDLED_MODEL} weights; use model={BUNDLED_MODEL}")
@@ -115,6 +120,21 @@ def load_clip(spec: ModelSpec, device: str | torch.device = "cpu") -> nn.Module:
     return model.to(device)
 
 
+def pretrain_folder_checkpoint(folder: Path, model: str) -> Path:
+    """The checkpoint in a folder written by `raysim pretrain`, its model config registered with open_clip."""
+    from raysim import pretrain
+
+    if not (folder / pretrain.META).is_file() or not (folder / pretrain.CHECKPOINT).is_file():
+        raise DataError(
+            f"pretrained={folder} is a folder but not one written by `raysim pretrain` "
+            f"(no {pretrain.META} and {pretrain.CHECKPOINT}); pass a checkpoint file or such a folder"
+        )
+    name = pretrain.register(folder)
+    if model != name:
+        raise ConfigError(f"pretrained={folder} holds a {name} model; pass model={name}")
+    return folder / pretrain.CHECKPOINT
+
+
 def image_size_of(model: nn.Module) -> int:
     size = getattr(model.visual, "image_size", 224)
     return int(size[0] if isinstance(size, (tuple, list)) else size)
@@ -122,20 +142,70 @@ def image_size_of(model: nn.Module) -> int:
 
 @torch.no_grad()
 def encode_images(model: nn.Module, dataset: torch.utils.data.Dataset, *, batch_size: int = 256, device: str = "cpu",
-                  progress: bool = False, desc: str = "image features") -> Tensor:
-    """L2-normalised image features of every item of `dataset` (frozen tower, eval mode)."""
+                  progress: bool = False, desc: str = "image features", tokens: bool = False):
+    """L2-normalised image features of every item of `dataset` (frozen tower, eval mode).
+
+    With `tokens=True`, returns (features, tokens): the image tower's token sequence read in the same pass
+    (see `image_tokens`), stored in float16 to halve its memory."""
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0)
-    out = []
+    out, toks = [], []
     it = loader
     if progress:
         from tqdm.auto import tqdm
 
         it = tqdm(loader, desc=desc, leave=False)
-    for x in it:
-        if isinstance(x, (tuple, list)):
-            x = x[0]
-        out.append(F.normalize(model.encode_image(x.to(device)).float(), dim=-1).cpu())
-    return torch.cat(out) if out else torch.zeros(0, 0)
+    with image_tokens(model.visual) if tokens else contextlib.nullcontext() as seen:
+        for x in it:
+            if isinstance(x, (tuple, list)):
+                x = x[0]
+            out.append(F.normalize(model.encode_image(x.to(device)).float(), dim=-1).cpu())
+            if tokens:
+                toks.append(seen.pop().to(torch.float16).cpu())
+    feats = torch.cat(out) if out else torch.zeros(0, 0)
+    if not tokens:
+        return feats
+    return feats, (torch.cat(toks) if toks else torch.zeros(0, 0, 0, dtype=torch.float16))
+
+
+def token_site(visual: nn.Module) -> tuple[nn.Module, str, int]:
+    """Where an image tower's token sequence can be read, as (module, "output" | "input", width).
+
+    - open_clip ViT: the output of `visual.transformer`, i.e. the CLS and patch tokens before `ln_post`
+      (SPEC 1.3: 197 tokens of width 768 for ViT-B/16 at 224 px);
+    - open_clip ModifiedResNet (RN50, ...): the input of `attnpool`, the last (C, H, W) feature map;
+    - timm trunks (TimmModel): the input of the trunk's `global_pool`, the last (C, H, W) feature map.
+    A feature map becomes H*W tokens of width C."""
+    if hasattr(visual, "transformer") and hasattr(visual, "ln_post"):
+        return visual.transformer, "output", int(visual.transformer.width)
+    if hasattr(visual, "attnpool"):
+        return visual.attnpool, "input", int(visual.attnpool.k_proj.in_features)
+    trunk = getattr(visual, "trunk", None)
+    if trunk is not None and isinstance(getattr(trunk, "global_pool", None), nn.Module):
+        return trunk.global_pool, "input", int(trunk.num_features)
+    raise ConfigError(
+        f"raysim cannot read image tokens from a {type(visual).__name__} image tower "
+        "(it knows open_clip ViTs, ModifiedResNets and timm CNNs); use fedsept.router=pooled"
+    )
+
+
+@contextlib.contextmanager
+def image_tokens(visual: nn.Module):
+    """While active, every forward of `visual` appends its token sequence (B, K, width) to the yielded list."""
+    module, where, _ = token_site(visual)
+    seen: list[Tensor] = []
+
+    def keep(t: Tensor) -> None:
+        seen.append(t.flatten(2).transpose(1, 2) if t.dim() == 4 else t)  # (B, C, H, W) -> (B, H*W, C)
+
+    if where == "output":
+        first = getattr(module, "batch_first", True)  # an open_clip Transformer may run sequence-first
+        handle = module.register_forward_hook(lambda m, args, out: keep(out if first else out.transpose(0, 1)))
+    else:
+        handle = module.register_forward_pre_hook(lambda m, args: keep(args[0]))
+    try:
+        yield seen
+    finally:
+        handle.remove()
 
 
 class TextTower(nn.Module):
@@ -314,6 +384,7 @@ class ClipEnv:
     logit_scale: float
     device: torch.device
     feature_dim: int
+    token_dim: int = 0  # width of the image tower's tokens (`token_site`); 0 where raysim cannot read them
 
     @property
     def ctx_width(self) -> int:
@@ -325,6 +396,10 @@ def build_clip_env(spec: ModelSpec, classnames: Sequence[str], n_ctx: int, devic
     clip = load_clip(spec, device="cpu")
     tower = build_text_tower(clip, spec.model).to(device)
     prompts = CoOpPrompts(tower, classnames, n_ctx, ctx_init).to(device)
+    try:
+        token_dim = token_site(clip.visual)[2]
+    except ConfigError:
+        token_dim = 0
     return ClipEnv(
         tower=tower,
         prompts=prompts,
@@ -332,6 +407,7 @@ def build_clip_env(spec: ModelSpec, classnames: Sequence[str], n_ctx: int, devic
         logit_scale=tower.logit_scale,
         device=torch.device(device),
         feature_dim=tower.embed_dim,
+        token_dim=token_dim,
     )
 
 
