@@ -1,9 +1,11 @@
 """FedSEPT vs PromptFL through the engine, same data, same seed, one In / Cross / HM table.
 
     python benchmarks/compare_fedsept_promptfl.py --rounds 5 --backend inline dp.epsilon=1
+    python benchmarks/compare_fedsept_promptfl.py --methods fedsept,fedsept:router=patch model=... pretrained=...
 
-Extra arguments are config overrides (key=value) applied to both runs; `fedsept.*` keys reach FedSEPT
-only. Each run writes its usual folder under --out (default runs/compare-<timestamp>).
+Extra arguments are config overrides (key=value) applied to every run; `fedsept.*` keys reach FedSEPT
+only. A method entry may carry options of its own section after a colon (`fedsept:router=patch;rank=8`).
+Each run writes its usual folder under --out (default runs/compare-<timestamp>).
 """
 
 from __future__ import annotations
@@ -35,14 +37,17 @@ def main(argv: list[str] | None = None) -> int:
     extra = parse_overrides(args.overrides)
     rows = []
     cfg = None
-    for name in [m.strip() for m in args.methods.split(",") if m.strip()]:
+    for entry in [m.strip() for m in args.methods.split(",") if m.strip()]:
+        name, _, own = entry.partition(":")
         values = {k: v for k, v in extra.items() if not isinstance(v, dict) or k in ("dp", name)}
-        values = deep_merge(values, dict(method=name, rounds=args.rounds, backend=args.backend, out_dir=str(out / name)))
+        values = deep_merge(values, parse_overrides([f"{name}.{kv}" for kv in own.split(";") if kv]))
+        folder = entry.replace(":", "-").replace(";", "-").replace("=", "_")
+        values = deep_merge(values, dict(method=name, rounds=args.rounds, backend=args.backend, out_dir=str(out / folder)))
         cfg = build_config(values)
         t0 = time.perf_counter()
         result = run(cfg)
-        print(f"{name}: {time.perf_counter() - t0:.1f}s, {result.out_dir}", file=sys.stderr)
-        rows.append((name, result.summary))
+        print(f"{entry}: {time.perf_counter() - t0:.1f}s, {result.out_dir}", file=sys.stderr)
+        rows.append((entry, result.summary))
     assert cfg is not None
     eps = "no DP" if not cfg.dp.enabled else f"epsilon={cfg.dp.epsilon:g}"
     title = (f"{cfg.dataset}, {cfg.partition}, {cfg.num_clients} clients, {cfg.rounds} rounds, {cfg.model}, "

@@ -17,7 +17,8 @@ Columns, per client:
 
 Rows: PromptFL; FedSEPT (logit fusion, expert text features cached once per model); FedSEPT-NC (no
 cache: the M x C expert prompts are re-encoded for every batch, i.e. the first pass); FedSEPT-PF
-(prompt-level fusion: a prompt per input, B x C prompts encoded per batch).
+(prompt-level fusion: a prompt per input, B x C prompts encoded per batch); FedSEPT-patch (the patch-token
+router of SPEC 1.3: the router attends over the image tower's K tokens, 197 x 768 for ViT-B/16, random here).
 
     python benchmarks/fedsept_efficiency.py --classes 10 --batch 8 --device cpu
 """
@@ -99,7 +100,18 @@ def build_methods(n_ctx: int, batch: int, experts: int, rank: int):
         ("FedSEPT", fed(train, fed.Options(**base))),
         ("FedSEPT-NC", fed(train, fed.Options(**base, cache_text=False))),
         ("FedSEPT-PF", fed(train, fed.Options(**base, fusion="prompt"))),
+        ("FedSEPT-patch", fed(train, fed.Options(**base, router="patch"))),
     ]
+
+
+def num_tokens(model: str) -> int:
+    """Tokens of an open_clip ViT's image tower: CLS + (image / patch)^2."""
+    import open_clip
+
+    vc = (open_clip.get_model_config(model) or {}).get("vision_cfg", {})
+    size, patch = vc.get("image_size", 224), vc.get("patch_size", 16)
+    size = size[0] if isinstance(size, (list, tuple)) else size
+    return 1 + (size // patch) ** 2
 
 
 def measure(name, method, env, args, device) -> dict[str, float]:
@@ -112,7 +124,11 @@ def measure(name, method, env, args, device) -> dict[str, float]:
     n = args.train_samples or 2 * args.batch
     x = F.normalize(torch.randn(n, D, generator=g), dim=-1)
     y = torch.randint(0, C, (n,), generator=g)
-    data = ClientData(0, x, y, x[: args.batch], y[: args.batch], C)
+    toks = None
+    if method.input == "features+tokens":  # random tokens of the image tower's shape, float16 as cached
+        toks = torch.randn(n, num_tokens(args.model), env.token_dim, generator=g).to(torch.float16)
+    data = ClientData(0, x, y, x[: args.batch], y[: args.batch], C, tokens_train=toks,
+                      tokens_test=None if toks is None else toks[: args.batch])
     private = method.init_private(env, data, g)
     comm_kib = 2 * sum(t.numel() * t.element_size() for t in shared.values()) / 1024
 
@@ -127,15 +143,15 @@ def measure(name, method, env, args, device) -> dict[str, float]:
     private = res.private
 
     # first pass: build the predictor (FedSEPT fills its text cache here) and score one batch
-    feats = data.x_test.to(device)
+    inputs = (data.x_test.to(device),) + (() if toks is None else (data.tokens_test.to(device),))
     sync(device)
     t0 = time.perf_counter()
     predict = method.predictor(env, shared, private)
-    predict(feats)
+    predict(*inputs)
     sync(device)
     first_ms = 1000 * (time.perf_counter() - t0)
     with FlopCounterMode(display=False) as fc:
-        method.predictor(env, shared, private)(feats)
+        method.predictor(env, shared, private)(*inputs)
     first_gflops = fc.get_total_flops() / 1e9
 
     # steady state: the same predictor on the next batches
@@ -143,15 +159,15 @@ def measure(name, method, env, args, device) -> dict[str, float]:
     times = []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        predict(feats)
+        predict(*inputs)
         sync(device)
         times.append(time.perf_counter() - t0)
     lat_ms = 1000 * sorted(times)[len(times) // 2]  # median: robust to a shared machine
     with FlopCounterMode(display=False) as fc:
-        predict(feats)
+        predict(*inputs)
     gflops = fc.get_total_flops() / 1e9
     with PeakMemory(device) as pm:
-        predict(feats)
+        predict(*inputs)
     mem, mem_delta = pm.mb
     print(f"  {name}: done (train {train_s:.2f}s, latency {lat_ms:.2f}ms)", file=sys.stderr, flush=True)
     return {"comm": comm_kib, "lat": lat_ms, "flops": gflops, "first": first_ms, "first_flops": first_gflops,

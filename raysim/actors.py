@@ -135,8 +135,9 @@ class ClientHost:
         for cid, te in enumerate(data.test_idx):
             self.test_owner[te] = cid
         used = self.test_owner >= 0
-        self.eval_x, self.eval_y = xte[torch.as_tensor(used)], yte[torch.as_tensor(used)]
-        self.eval_t = None if tte is None else tte[torch.as_tensor(used)]
+        rows = slice(None) if used.all() else torch.as_tensor(used)  # all rows: no copy (tokens can be GBs)
+        self.eval_x, self.eval_y = xte[rows], yte[rows]
+        self.eval_t = None if tte is None else tte[rows]
         self.eval_owner = self.test_owner[used]
         self.store = StateStore(out_dir)
         self.private: dict[int, dict[str, Any]] = {}
