@@ -21,6 +21,7 @@ cache: the M x C expert prompts are re-encoded for every batch, i.e. the first p
 router of SPEC 1.3: the router attends over the image tower's K tokens, 197 x 768 for ViT-B/16, random here).
 
     python benchmarks/fedsept_efficiency.py --classes 10 --batch 8 --device cpu
+    python benchmarks/fedsept_efficiency.py --actors 4 --actor-gpus 0.25     # 4 client actors sharing one GPU
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import importlib
 import os
 import re
 import sys
@@ -203,8 +205,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-dp", dest="dp", action="store_false", help="time the local round without DP-SGD")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed PromptFL warm-up round")
     p.add_argument("--only", default="", help="comma-separated subset of rows")
+    p.add_argument("--actors", type=int, default=0, help="run the measurement in N Ray actors at once (0 = here)")
+    p.add_argument("--actor-gpus", type=float, default=0.0, help="GPU fraction per actor, e.g. 0.25 (needs a GPU)")
+    p.add_argument("--actor-cpus", type=float, default=1.0, help="CPUs per actor")
+    p.add_argument("--address", default="", help="Ray cluster address for --actors (default: a local one)")
     args = p.parse_args(argv)
 
+    if args.actors > 0:
+        rows, dev = in_actors(args)
+    else:
+        rows, dev = run_rows(args)
+    print(f"### Client-side efficiency ({args.model}, random weights; C={args.classes}, batch {args.batch}, "
+          f"L={args.n_ctx}, M={args.experts}, r={args.rank}; {dev}; train: "
+          f"{args.train_samples or 2 * args.batch} examples, {'DP-SGD' if args.dp else 'no DP'})\n")
+    print(table(rows))
+    cuda = args.actor_gpus > 0 if args.actors > 0 else args.device != "cpu" and torch.cuda.is_available()
+    print("Ratios are to FedSEPT. Mem.: " + ("torch.cuda.max_memory_allocated during the call." if cuda
+          else "peak RSS of the process during the call.") + " +Mem.: its increase over the memory in use before the call.")
+    return 0
+
+
+def run_rows(args) -> tuple[list[tuple[str, dict[str, float]]], str]:
+    """Every row measured in this process: (rows, a description of the device)."""
     from raysim.models.clip import ModelSpec, build_clip_env, resolve_device
 
     if args.threads:
@@ -223,13 +245,49 @@ def main(argv: list[str] | None = None) -> int:
         measure("warm-up", methods[0][1], env, argparse.Namespace(**{**vars(args), "repeats": 1}), device)
     rows = [(name, measure(name, m, env, args, device)) for name, m in methods]
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"### Client-side efficiency ({args.model}, random weights; C={args.classes}, batch {args.batch}, "
-          f"L={args.n_ctx}, M={args.experts}, r={args.rank}; {dev}; train: "
-          f"{args.train_samples or 2 * args.batch} examples, {'DP-SGD' if args.dp else 'no DP'})\n")
-    print(table(rows))
-    print("Ratios are to FedSEPT. Mem.: " + ("torch.cuda.max_memory_allocated during the call." if device.type == "cuda"
-          else "peak RSS of the process during the call.") + " +Mem.: its increase over the memory in use before the call.")
-    return 0
+    return rows, dev
+
+
+def in_actors(args) -> tuple[list[tuple[str, dict[str, float]]], str]:
+    """The same measurement in `--actors` Ray actors at once, each holding `--actor-gpus` of a GPU (client
+    actors sharing a GPU, as `client_gpus` does in a run). Each cell is the median over the actors; every
+    actor's device is reported. The actors run concurrently, so latencies include the contention."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=args.address or None, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    gpus = float(ray.cluster_resources().get("GPU", 0))
+    if args.actor_gpus > 0 and gpus == 0:
+        raise SystemExit("--actor-gpus > 0 but the Ray cluster has no GPU")
+    sub = argparse.Namespace(**{**vars(args), "actors": 0, "device": "cuda" if args.actor_gpus > 0 else "cpu"})
+    # by reference to this module, never by value (run as a script, __main__ would drag torch's globals along)
+    here = str(Path(__file__).resolve().parent)
+    sys.path.insert(0, here)
+    task = importlib.import_module("fedsept_efficiency")._actor_rows
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    remote = ray.remote(num_cpus=args.actor_cpus, num_gpus=args.actor_gpus)(task).options(
+        runtime_env={"env_vars": {"PYTHONPATH": path}}
+    )
+    try:
+        results = ray.get([remote.remote(sub) for _ in range(args.actors)])
+    finally:
+        if started:
+            ray.shutdown()
+    names = [n for n, _ in results[0][0]]
+    rows = []
+    for i, name in enumerate(names):
+        cells = [r[0][i][1] for r in results]
+        rows.append((name, {k: sorted(c[k] for c in cells)[len(cells) // 2] for k in cells[0]}))
+    devices = sorted({r[1] for r in results})
+    dev = f"{args.actors} Ray actors at once, {args.actor_gpus:g} GPU each, on {', '.join(devices)}"
+    return rows, dev
+
+
+def _actor_rows(args):
+    """What one actor runs (this module is importable there: `in_actors` puts its folder on PYTHONPATH)."""
+    rows, dev = run_rows(args)
+    return rows, f"{dev} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')})"
 
 
 if __name__ == "__main__":
