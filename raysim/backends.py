@@ -90,16 +90,15 @@ class RayBackend:
             num_hosts = max(1, min(by_cpu, by_gpu))
         num_hosts = min(num_hosts, cfg.num_clients)
         self.groups = assign_clients(cfg.num_clients, num_hosts)
-        data_ref = ray.put(data)  # every actor reads the same copy from the object store
-        ServerActor = ray.remote(ServerHost)
-        ClientActor = ray.remote(ClientHost)
-        self.server = ServerActor.options(num_cpus=cfg.server_cpus, num_gpus=server_gpus).remote(
-            cfg, data.classnames, out_dir, resume_round
-        )
-        self.hosts = [
-            ClientActor.options(num_cpus=cfg.client_cpus, num_gpus=client_gpus).remote(cfg, data_ref, g, out_dir, resume_round)
-            for g in self.groups
-        ]
+        self.cfg, self.out_dir = cfg, out_dir
+        self.data_ref = ray.put(data)  # every actor reads the same copy from the object store
+        self.classnames = list(data.classnames)
+        self.server_opts = dict(num_cpus=cfg.server_cpus, num_gpus=server_gpus)
+        self.client_opts = dict(num_cpus=cfg.client_cpus, num_gpus=client_gpus)
+        self.server = self._new_server(resume_round)
+        self.hosts = [self._new_host(g, resume_round) for g in self.groups]
+        self.restarts = 0
+        self._round: dict[str, Any] = {}  # this round's inputs, kept until commit (to replay it on a new actor)
         devices = ray.get([h.device_info.remote() for h in self.hosts])
         self.info = {
             "backend": "ray",
@@ -109,29 +108,103 @@ class RayBackend:
             "devices": sorted({d["device"] for d in devices}),
         }
 
+    # -- actors, and their replacement when one dies ---------------------------------------------
+    def _new_server(self, resume_round: int):
+        return self.ray.remote(ServerHost).options(**self.server_opts).remote(
+            self.cfg, self.classnames, self.out_dir, resume_round
+        )
+
+    def _new_host(self, group: list[int], resume_round: int):
+        return self.ray.remote(ClientHost).options(**self.client_opts).remote(
+            self.cfg, self.data_ref, group, self.out_dir, resume_round
+        )
+
+    def _dead(self, what: str, error: Exception) -> None:
+        """Count a lost actor; give up (re-raising) past cfg.max_actor_restarts per run."""
+        self.restarts += 1
+        if self.restarts > self.cfg.max_actor_restarts:
+            raise RuntimeError(
+                f"{what} died ({error.__class__.__name__}) and the run has used its {self.cfg.max_actor_restarts} "
+                f"actor restarts (max_actor_restarts); continue it later with resume={self.out_dir}"
+            ) from error
+        log.warning("%s died (%s); restarting it from the last completed round", what, error.__class__.__name__)
+
+    def _replace_host(self, i: int, error: Exception, *, replay: bool) -> None:
+        """A new actor for host i from the last committed round (the one before `_round`). With `replay`,
+        it re-trains this round's clients from the same shared state and RNG streams: the same private
+        state as the lost actor held (its uploads are discarded; the server already has identical ones)."""
+        self._dead(f"client actor {i} (clients {self.groups[i][:4]}{'...' if len(self.groups[i]) > 4 else ''})", error)
+        r = self._round
+        self.hosts[i] = self._new_host(self.groups[i], r["round"] - 1)
+        mine = r["mine"].get(i)
+        if replay and mine:
+            self.ray.get(self.hosts[i].train.options(num_returns=2).remote(r["round"], mine, r["shared"])[1])
+
+    def _get_each(self, refs: dict[int, Any], resubmit, *, replay: bool) -> dict[int, Any]:
+        """ray.get per host; a host whose actor died is replaced and its call resubmitted."""
+        out = {}
+        while refs:
+            retry = {}
+            for i, ref in refs.items():
+                try:
+                    out[i] = self.ray.get(ref)
+                except self.ray.exceptions.RayActorError as e:
+                    self._replace_host(i, e, replay=replay)
+                    retry[i] = resubmit(i)
+            refs = retry
+        return out
+
+    # -- the three calls of a round --------------------------------------------------------------
     def train_round(self, round_idx: int, participants: list[int]) -> tuple[list[ClientReport], dict[str, Any]]:
-        ray = self.ray
-        shared_ref = self.server.get_shared.remote()  # one object in the store, read by every actor
+        self._round = {"round": round_idx}
+        # one object in the store, read by every actor
+        shared_ref = self.ray.put(self._server_call(lambda: self.server.get_shared.remote(), aggregated=False))
         chosen = set(participants)
-        upload_refs, report_refs = [], []
-        for host, group in zip(self.hosts, self.groups):
-            mine = [c for c in group if c in chosen]
-            if mine:
-                ups, reps = host.train.options(num_returns=2).remote(round_idx, mine, shared_ref)
-                upload_refs.append(ups)
-                report_refs.append(reps)
-        stats_ref = self.server.aggregate.remote(round_idx, *upload_refs)  # uploads go actor -> server
-        reports = [r for lst in ray.get(report_refs) for r in lst]
-        stats = ray.get(stats_ref)
-        return sorted(reports, key=lambda r: r.client_id), stats
+        mine = {i: [c for c in g if c in chosen] for i, g in enumerate(self.groups)}
+        mine = {i: m for i, m in mine.items() if m}
+        self._round.update(shared=shared_ref, mine=mine)
+        upload_refs: dict[int, Any] = {}
+
+        def submit(i: int):
+            ups, reps = self.hosts[i].train.options(num_returns=2).remote(round_idx, mine[i], shared_ref)
+            upload_refs[i] = ups
+            return reps
+
+        reports = self._get_each({i: submit(i) for i in mine}, submit, replay=False)
+        self._round["uploads"] = [upload_refs[i] for i in sorted(upload_refs)]
+        stats = self._server_call(lambda: self.server.aggregate.remote(round_idx, *self._round["uploads"]), aggregated=False)
+        flat = [r for i in sorted(reports) for r in reports[i]]
+        return sorted(flat, key=lambda r: r.client_id), stats
+
+    def _server_call(self, call, *, aggregated: bool):
+        """A server call; if the server actor died, a new one resumes from the last committed round, and
+        (once the lost one had `aggregated` this round) re-aggregates this round's uploads, still in the
+        object store, before the call is repeated."""
+        try:
+            return self.ray.get(call())
+        except self.ray.exceptions.RayActorError as e:
+            self._dead("the server actor", e)
+            self.server = self._new_server(self._round["round"] - 1)
+            if aggregated:
+                self.ray.get(self.server.aggregate.remote(self._round["round"], *self._round["uploads"]))
+            return self._server_call(call, aggregated=aggregated)
 
     def evaluate(self) -> list[dict[str, Any]]:
-        shared_ref = self.server.get_shared.remote()
-        rows = self.ray.get([h.evaluate.remote(shared_ref) for h in self.hosts])
-        return sorted((row for lst in rows for row in lst), key=lambda r: r["client"])
+        shared_ref = self.ray.put(self._server_call(lambda: self.server.get_shared.remote(), aggregated=True))
+
+        def submit(i: int):
+            return self.hosts[i].evaluate.remote(shared_ref)
+
+        rows = self._get_each({i: submit(i) for i in range(len(self.hosts))}, submit, replay=True)
+        return sorted((row for i in rows for row in rows[i]), key=lambda r: r["client"])
 
     def commit(self, round_idx: int) -> None:
-        self.ray.get([self.server.commit.remote(round_idx)] + [h.commit.remote(round_idx) for h in self.hosts])
+        def submit(i: int):
+            return self.hosts[i].commit.remote(round_idx)
+
+        self._server_call(lambda: self.server.commit.remote(round_idx), aggregated=True)
+        self._get_each({i: submit(i) for i in range(len(self.hosts))}, submit, replay=True)
+        self._round = {}
 
     def shutdown(self) -> None:
         for a in [self.server, *self.hosts]:
