@@ -46,6 +46,16 @@ class FederationData:
     def num_clients(self) -> int:
         return len(self.train_idx)
 
+    def client(self, cid: int) -> ClientData:
+        """Client `cid`'s slice as the method sees it (tensors; the arrays themselves are not copied)."""
+        tr, te = torch.as_tensor(self.train_idx[cid]), torch.as_tensor(self.test_idx[cid])
+        xtr, ytr, xte, yte = (_as_tensor(a) for a in (self.x_train, self.y_train, self.x_test, self.y_test))
+        ttr, tte = (None if a is None else _as_tensor(a) for a in (self.tok_train, self.tok_test))
+        return ClientData(
+            cid, xtr[tr], ytr[tr], xte[te], yte[te], len(self.classnames),
+            tokens_train=None if ttr is None else ttr[tr], tokens_test=None if tte is None else tte[te],
+        )
+
 
 @dataclass
 class ClientReport:
@@ -86,6 +96,17 @@ def env_spec(cfg: RunConfig, classnames: list[str]) -> EnvSpec:
     )
 
 
+def initial_private(method: Method, env: Any, data: ClientData, seed: int) -> dict[str, Any]:
+    """A client's private state before its first participation (from its own seeded stream)."""
+    return method.init_private(env, data, generator(seed, "init", data.client_id))
+
+
+def broadcast_state(method: Method, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The part of the server state that is broadcast (without the method's `server_only` keys)."""
+    hidden = tuple(method.server_only)
+    return {k: v for k, v in state.items() if not any(k == h or k.startswith(h + ".") for h in hidden)}
+
+
 def _as_tensor(a: np.ndarray) -> torch.Tensor:
     with warnings.catch_warnings():  # arrays from Ray's object store are read-only; we never write them
         warnings.simplefilter("ignore", UserWarning)
@@ -119,17 +140,11 @@ class ClientHost:
         spec = env_spec(cfg, data.classnames)
         self.device = torch.device(spec.device)
         self.env = self.method.build_env(spec, role="client")
-        xtr, ytr, xte, yte = (_as_tensor(a) for a in (data.x_train, data.y_train, data.x_test, data.y_test))
-        ttr, tte = (None if a is None else _as_tensor(a) for a in (data.tok_train, data.tok_test))
+        xte, yte = _as_tensor(data.x_test), _as_tensor(data.y_test)
+        tte = None if data.tok_test is None else _as_tensor(data.tok_test)
         self.num_classes = len(data.classnames)
         self.clients = sorted(client_ids)
-        self.data: dict[int, ClientData] = {}
-        for cid in self.clients:
-            tr, te = torch.as_tensor(data.train_idx[cid]), torch.as_tensor(data.test_idx[cid])
-            self.data[cid] = ClientData(
-                cid, xtr[tr], ytr[tr], xte[te], yte[te], self.num_classes,
-                tokens_train=None if ttr is None else ttr[tr], tokens_test=None if tte is None else tte[te],
-            )
+        self.data: dict[int, ClientData] = {cid: data.client(cid) for cid in self.clients}
         # evaluation inputs: every client's test set, and who owns which row (Cross-Client, SPEC 1.10)
         self.test_owner = np.full(len(data.y_test), -1, dtype=np.int64)
         for cid, te in enumerate(data.test_idx):
@@ -167,7 +182,7 @@ class ClientHost:
     # -- private state ----------------------------------------------------------------------
     def _private(self, cid: int) -> dict[str, Any]:
         if cid not in self.private:
-            self.private[cid] = self.method.init_private(self.env, self.data[cid], generator(self.cfg.seed, "init", cid))
+            self.private[cid] = initial_private(self.method, self.env, self.data[cid], self.cfg.seed)
         return self.private[cid]
 
     def _ledger(self, cid: int):
@@ -360,14 +375,20 @@ class ServerHost:
 
     def get_shared(self) -> dict[str, torch.Tensor]:
         """The broadcast part of the server state."""
-        hidden = tuple(self.method.server_only)
-        return {k: v for k, v in self.state.items() if not any(k == h or k.startswith(h + ".") for h in hidden)}
+        return broadcast_state(self.method, self.state)
 
     def aggregate(self, round_idx: int, *upload_lists: list[Upload]) -> dict[str, Any]:
         uploads = sorted((u for lst in upload_lists for u in lst), key=lambda u: u.client_id)
         for u in uploads:
             check_upload(self.method, u.client_id, u.tensors)
-        down = sum(t.numel() * t.element_size() for t in self.get_shared().values()) * len(uploads)
+        pre = self.get_shared()
+        down = sum(t.numel() * t.element_size() for t in pre.values()) * len(uploads)
+        if self.cfg.record_uploads:  # the attacker's view: only checked, declared tensors
+            self.store.save_uploads(round_idx, {
+                "pre": pre,
+                "uploads": {u.client_id: dict(u.tensors) for u in uploads},
+                "num_samples": {u.client_id: u.num_samples for u in uploads},
+            })
         if uploads:
             new = self.method.aggregate(self.env, self.state, uploads, generator(self.cfg.seed, "server", round_idx))
             self.state = {k: v.detach().cpu() for k, v in new.items()}

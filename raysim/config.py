@@ -89,12 +89,14 @@ class RunConfig:
     num_threads: int = 1  # torch threads per actor (results are bitwise reproducible for a fixed value)
     device: str = "auto"  # auto | cpu | cuda
     address: str = ""  # join an existing Ray cluster ("auto" on a `ray up` head node); "" = start one here
+    max_actor_restarts: int = 3  # actors (client or server) replaced after a crash, per run (Ray backend)
     # output
     out_dir: str = ""  # "" = runs/<method>-<dataset>-<timestamp>
     resume: str = ""  # a run folder to continue from its last completed round
     cache_dir: str = "~/.cache/raysim"  # frozen image features and generated data
     tensorboard: bool = True
     progress: bool = True
+    record_uploads: bool = False  # write what the server saw (uploads and the broadcast state) to out_dir/uploads/, for attacks
     # privacy
     dp: DPConfig = field(default_factory=DPConfig)
     # per-method sections (validated against each method's Options dataclass)
@@ -322,6 +324,7 @@ def validate(cfg: RunConfig) -> None:
     _check(0 <= cfg.client_gpus <= 1, f"client_gpus is a fraction of one GPU per actor, in [0, 1]; got {cfg.client_gpus}")
     _check(cfg.server_gpus >= 0, f"server_gpus must be >= 0, got {cfg.server_gpus}")
     _check(cfg.num_threads >= 1, f"num_threads must be >= 1, got {cfg.num_threads}")
+    _check(cfg.max_actor_restarts >= 0, f"max_actor_restarts must be >= 0, got {cfg.max_actor_restarts}")
     _check(cfg.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {cfg.device!r}")
     _check(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
     dp = cfg.dp

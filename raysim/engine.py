@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 # keys that may differ between a run and its resume (they do not change results)
 EXECUTION_KEYS = {
     "backend", "placement", "num_actors", "client_cpus", "client_gpus", "server_cpus", "server_gpus",
-    "address", "progress", "tensorboard", "resume", "out_dir", "cache_dir", "data_root", "device",
+    "address", "max_actor_restarts", "progress", "tensorboard", "resume", "out_dir", "cache_dir", "data_root", "device",
+    "record_uploads",
 }
 
 
@@ -105,6 +106,12 @@ def prepare_data(cfg: RunConfig, method_input: str, *, progress: bool, image_siz
         tok_train=None if ttr is None else ttr.numpy(),  # (N, K, width) float16, only when asked for
         tok_test=None if tte is None else tte.numpy(),
     )
+
+
+def mean_of_defined(values: list[float]) -> float:
+    """Mean over the finite values (a client without a Cross-Client test set has nan); nan if none."""
+    finite = [v for v in values if math.isfinite(v)]
+    return float(np.mean(finite)) if finite else math.nan
 
 
 def flat_config(cfg: RunConfig) -> dict[str, Any]:
@@ -203,8 +210,8 @@ def run(cfg: RunConfig, *, on_round: Optional[Callable[[dict[str, Any]], None]] 
             acc_in = acc_cross = hm = math.nan
             if r in evals:
                 client_rows = [{"round": r, **row} for row in backend.evaluate()]
-                acc_in = float(np.nanmean([c["in_client"] for c in client_rows]))
-                acc_cross = float(np.nanmean([c["cross_client"] for c in client_rows]))
+                acc_in = mean_of_defined([c["in_client"] for c in client_rows])
+                acc_cross = mean_of_defined([c["cross_client"] for c in client_rows])  # nan with one client
                 hm = harmonic_mean(acc_in, acc_cross)
             backend.commit(r)
             losses = [x.loss for x in reports if math.isfinite(x.loss)]

@@ -5,6 +5,10 @@ Layout under `out_dir/state/`:
   clients/<cid>/<round>.pt     a client's private state (and privacy ledger) after a round it changed in
   progress.json                {"completed_round": r}: written last, once every piece of round r is on disk
 
+With `record_uploads=true`, `out_dir/uploads/<round>.pt` also holds what the server saw in a round (an
+attacker's view, read by raysim.attacks): {"pre": broadcast state, "uploads": {cid: {name: tensor}},
+"num_samples": {cid: n}}, clients in id order.
+
 A resumed run continues from `completed_round`; versions newer than it (an interrupted round) are
 ignored, so a crash at any moment leaves a consistent state to resume from. Files are written to a
 temporary name and renamed, so a reader never sees half a file.
@@ -72,6 +76,22 @@ class StateStore:
         usable = [v for v in _versions(folder) if v <= completed_round]
         if usable:
             self._prune(folder, keep_from=usable[-1])
+
+    # -- what the server saw (record_uploads) ----------------------------------------------
+    @property
+    def uploads_dir(self) -> Path:
+        return self.root.parent / "uploads"
+
+    def save_uploads(self, round_idx: int, record: dict) -> None:
+        atomic_save(record, self.uploads_dir / f"{round_idx:05d}.pt")
+
+    def upload_rounds(self) -> list[int]:
+        """Recorded rounds, up to the last completed one (a half-finished round is not part of the run)."""
+        done = self.completed_round()
+        return [r for r in _versions(self.uploads_dir) if r <= done]
+
+    def load_uploads(self, round_idx: int) -> dict:
+        return torch.load(self.uploads_dir / f"{round_idx:05d}.pt", map_location="cpu", weights_only=True)
 
     # -- helpers ----------------------------------------------------------------------------
     @staticmethod

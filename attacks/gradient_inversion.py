@@ -1,0 +1,295 @@
+"""Multi-client gradient inversion by an honest-but-curious server (fedsept.txt section 5.5, SPEC 1.12).
+
+The server sees a client's shared tensor before and after local training (FedSEPT's A, PromptFL's
+ctx) and takes the effective gradient g^ = -(theta_post - theta_pre) / eta. Inverting-Gradients style,
+it optimises dummy images (Gaussian start in normalised space, labels known) with Adam so that the
+gradient they induce matches g^:
+
+    loss = 1 - cos(grad_shared l(dummy), g^) + tv_weight * TV(dummy),
+
+clamping pixels to the valid normalised range after every step, over several restarts, keeping the
+lowest-loss one. The dummy gradient flows image -> frozen CLIP image tower -> L2-normalised feature
+-> the method's training loss -> shared tensor, through a `SharedGrad` function the caller builds
+(`prompt_shared_grad` does it for the CLIP prompt methods), so any prompt method can be attacked.
+
+g^ is exact when the client takes one plain SGD step (no momentum) on one batch; weight decay is
+removed if given. The private parts the loss needs (FedSEPT's R and router) are not seen by the
+server: passing the client's real private state is the white-box upper bound, a freshly initialised
+one a surrogate. The router is used in eval mode (no dropout), so a client that trained with router
+dropout makes g^ only approximately reproducible.
+
+Metrics (`reconstruction_metrics`): PSNR against the closest true image (Hungarian matching within
+the client), CLIPCos (cosine of the CLIP image embeddings of a reconstruction and its closest original,
+matched in embedding space), Top-1 agreement of the CLIP zero-shot predictions of those pairs, and
+GradCos (cosine of the final dummy gradient to g^).
+The paper's 2,000 iterations and 4 restarts are the defaults; `image_size` is the CLIP model's input
+size (224 for ViT-B/16, 32 for raysim-tiny and raysim-clip).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from raysim.data.base import CLIP_MEAN, CLIP_STD
+from raysim.errors import ConfigError
+
+SharedGrad = Callable[[Tensor, Tensor], Tensor]  # (normalised images (B, 3, S, S), labels (B,)) -> d loss / d shared
+
+
+def observed_gradient(pre: Tensor, post: Tensor, *, lr: float, weight_decay: float = 0.0) -> Tensor:
+    """g^ = -(post - pre) / lr, minus the weight-decay term weight_decay * pre of plain SGD."""
+    return -(post.double() - pre.double()).float() / lr - weight_decay * pre.float()
+
+
+def pixel_range(mean: Sequence[float] = CLIP_MEAN, std: Sequence[float] = CLIP_STD) -> tuple[Tensor, Tensor]:
+    """Per-channel (low, high), shape (1, 3, 1, 1): where pixels in [0, 1] land after normalisation."""
+    m, s = (torch.tensor(v, dtype=torch.float32).view(1, -1, 1, 1) for v in (mean, std))
+    return (0 - m) / s, (1 - m) / s
+
+
+def to_pixels(images: Tensor, mean: Sequence[float] = CLIP_MEAN, std: Sequence[float] = CLIP_STD) -> Tensor:
+    low, high = pixel_range(mean, std)
+    return ((images - low) / (high - low)).clamp(0, 1)
+
+
+def image_features(clip: torch.nn.Module, images: Tensor) -> Tensor:
+    """L2-normalised CLIP image features, differentiable w.r.t. the images (the tower stays frozen)."""
+    return F.normalize(clip.encode_image(images).float(), dim=-1)
+
+
+def total_variation(x: Tensor) -> Tensor:
+    return (x[..., 1:, :] - x[..., :-1, :]).abs().mean() + (x[..., :, 1:] - x[..., :, :-1]).abs().mean()
+
+
+# -- the gradient of the shared tensor, for the CLIP prompt methods ----------------------------
+
+@dataclass
+class PromptGradient:
+    """What the attacker can compute of a prompt method's gradient at theta_pre.
+
+    `fn(images, labels)`: the gradient of the mean data loss (CE) w.r.t. the shared tensor, differentiable
+    w.r.t. the images. `offset`: the gradient of the data-independent regulariser (FedSEPT's
+    lambda_div L_div; zero for PromptFL), which the server computes itself and removes from g^, since it
+    would otherwise dominate g^ and make every image match."""
+
+    name: str
+    fn: SharedGrad
+    offset: Tensor
+
+    def target(self, observed: Tensor) -> Tensor:
+        return observed - self.offset
+
+
+@dataclass
+class _PromptParts:
+    """A prompt method's loss split at its text features: text(theta) -> T (no image in it), then
+    head(theta, T, features) -> logits; `separable` when head reads theta only through T."""
+
+    name: str
+    text: Callable[[Tensor], Tensor]
+    head: Callable[[Tensor, Tensor, Tensor], Tensor]
+    regulariser: Callable[[Tensor], Tensor]
+    separable: bool
+
+
+def _prompt_parts(method: Any, env: Any, private: dict[str, Any]) -> _PromptParts:
+    if method.name == "promptfl":
+        return _PromptParts(
+            "ctx", env.prompts.text_features, lambda ctx, T, feats: method.logits(env, feats, T),
+            lambda ctx: ctx.sum() * 0, separable=True,
+        )
+    if method.name == "fedsept":
+        from raysim.models.fedsept_modules import diversity_loss, expert_prompts
+
+        if method.patch_router:
+            raise ConfigError("gradient inversion reads pooled image features only; attack a run with fedsept.router=pooled")
+        o = method.opts
+        R = private["R"].to(env.device) if method.has_residual else None
+        router = method._router(env, torch.Generator(), private["router"]).eval().requires_grad_(False) if method.has_router else None
+        return _PromptParts(
+            "A",
+            lambda A: env.prompts.text_features(expert_prompts(A, method.M, method.basis(env), R)),
+            lambda A, T, feats: method.forward(env, A, R, router, feats, T)[0],
+            lambda A: o.lambda_div * diversity_loss(A, method.M, o.div_reduction),
+            separable=o.fusion == "logit",  # FedSEPT-PF fuses prompts per image: no image-free text features
+        )
+    raise ConfigError(f"gradient inversion supports the prompt methods promptfl and fedsept, not {method.name!r}")
+
+
+def jacobian(f: Callable[[Tensor], Tensor], x: Tensor, *, chunk: int = 32) -> Tensor:
+    """d f / d x at x as a (f(x).numel(), x.numel()) matrix, `chunk` directions at a time: forward mode
+    over the input's directions or reverse mode over the output's, whichever are fewer."""
+    y, vjp = torch.func.vjp(f, x)
+    if y.numel() < x.numel():
+        eye = torch.eye(y.numel(), dtype=y.dtype, device=y.device).view(-1, *y.shape)
+        rows = [torch.func.vmap(vjp)(e)[0].reshape(len(e), -1) for e in eye.split(chunk)]
+        return torch.cat(rows)
+    eye = torch.eye(x.numel(), dtype=x.dtype, device=x.device).view(-1, *x.shape)
+    cols = [torch.func.vmap(lambda t: torch.func.jvp(f, (x,), (t,))[1])(e).reshape(len(e), -1) for e in eye.split(chunk)]
+    return torch.cat(cols).t()
+
+
+def prompt_shared_grad(
+    method: Any, env: Any, clip: torch.nn.Module, shared: dict[str, Tensor], private: dict[str, Any], *, linearise: bool = True,
+) -> PromptGradient:
+    """The gradient of a CLIP prompt method's training loss w.r.t. its shared tensor at `shared`
+    (PromptFL: CE on ctx; FedSEPT: CE + lambda_div L_div on A, with the client's R and router).
+
+    The text features do not depend on the images, so with `linearise` (where the method allows it) the
+    Jacobian J of text features w.r.t. the shared tensor is computed once, at theta_pre, and every call
+    costs the image side only: grad = J^T dCE/dT. The result is the same gradient."""
+    parts = _prompt_parts(method, env, private)
+    theta = shared[parts.name].detach().to(env.device)
+    p = theta.clone().requires_grad_(True)
+    (offset,) = torch.autograd.grad(parts.regulariser(p), [p], allow_unused=True, materialize_grads=True)
+
+    with sdpa_kernel(SDPBackend.MATH):  # the fused attention kernels have neither double nor forward-mode AD
+        if linearise and parts.separable:
+            T0 = parts.text(theta).detach()
+            J = jacobian(parts.text, theta)
+
+            def fn(images: Tensor, labels: Tensor) -> Tensor:
+                T = T0.clone().requires_grad_(True)
+                with sdpa_kernel(SDPBackend.MATH):
+                    loss = F.cross_entropy(parts.head(theta, T, image_features(clip, images)), labels.to(env.device))
+                    (c,) = torch.autograd.grad(loss, [T], create_graph=True)
+                return (c.reshape(1, -1) @ J).view_as(theta)
+        else:
+
+            def fn(images: Tensor, labels: Tensor) -> Tensor:
+                q = theta.clone().requires_grad_(True)
+                with sdpa_kernel(SDPBackend.MATH):
+                    loss = F.cross_entropy(parts.head(q, parts.text(q), image_features(clip, images)), labels.to(env.device))
+                    (g,) = torch.autograd.grad(loss, [q], create_graph=True)
+                return g
+
+    return PromptGradient(parts.name, fn, offset.detach())
+
+
+# -- the attack -------------------------------------------------------------------------------
+
+@dataclass
+class Inversion:
+    images: Tensor  # (B, 3, S, S), normalised
+    loss: float
+    grad_cos: float
+
+
+def _objective(shared_grad: SharedGrad, x: Tensor, labels: Tensor, target: Tensor, tv_weight: float) -> tuple[Tensor, Tensor]:
+    cos = F.cosine_similarity(shared_grad(x, labels).reshape(-1), target.reshape(-1), dim=0)
+    return 1 - cos + tv_weight * total_variation(x), cos
+
+
+def invert_gradient(
+    shared_grad: SharedGrad,
+    target: Tensor,
+    labels: Tensor,
+    *,
+    image_size: int,
+    iterations: int = 2000,
+    restarts: int = 4,
+    lr: float = 0.1,
+    tv_weight: float = 1e-4,
+    generator: torch.Generator,
+    mean: Sequence[float] = CLIP_MEAN,
+    std: Sequence[float] = CLIP_STD,
+) -> Inversion:
+    """Dummy images whose gradient matches `target` (the lowest-loss restart)."""
+    low, high = (t.to(target.device) for t in pixel_range(mean, std))
+    best: Inversion | None = None
+    for _ in range(restarts):
+        x = torch.randn((len(labels), 3, image_size, image_size), generator=generator).to(target.device)
+        x = torch.max(torch.min(x, high), low).requires_grad_(True)
+        opt = torch.optim.Adam([x], lr=lr)
+        for _ in range(iterations):
+            loss, _ = _objective(shared_grad, x, labels, target, tv_weight)
+            (x.grad,) = torch.autograd.grad(loss, [x])
+            opt.step()
+            with torch.no_grad():
+                x.copy_(torch.max(torch.min(x, high), low))
+        loss, cos = _objective(shared_grad, x, labels, target, tv_weight)
+        if best is None or float(loss.detach()) < best.loss:
+            best = Inversion(x.detach().clone(), float(loss.detach()), float(cos.detach()))
+    if best is None:
+        raise ValueError("restarts must be >= 1")
+    return best
+
+
+@dataclass
+class GIAMetrics:
+    psnr: float
+    clip_cos: float
+    top1: float
+    grad_cos: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {"PSNR": self.psnr, "CLIPCos": self.clip_cos, "Top-1": self.top1, "GradCos": self.grad_cos}
+
+
+def psnr(a: Tensor, b: Tensor) -> Tensor:
+    """PSNR (dB) of every pair of images a[i], b[j] in [0, 1]: shape (len(a), len(b))."""
+    mse = (a.flatten(1)[:, None, :] - b.flatten(1)[None, :, :]).pow(2).mean(-1)
+    return 10 * torch.log10(1 / mse.clamp_min(1e-10))
+
+
+def _matched(score: Tensor) -> tuple[Tensor, Tensor]:
+    """Hungarian matching of reconstructions (rows) to originals (columns) maximising the total score."""
+    from scipy.optimize import linear_sum_assignment
+
+    rows, cols = linear_sum_assignment(score.double().numpy(), maximize=True)
+    return torch.as_tensor(rows), torch.as_tensor(cols)
+
+
+@torch.no_grad()
+def reconstruction_metrics(recon: Tensor, original: Tensor, *, clip: torch.nn.Module, env: Any, grad_cos: float = math.nan) -> GIAMetrics:
+    """Each reconstruction is compared with the closest original of its client (Hungarian matching): by
+    PSNR for PSNR, by CLIP-embedding cosine for CLIPCos and the zero-shot Top-1 agreement.
+    `env`: the run's ClipEnv (class names and text tower, for the zero-shot classifier)."""
+    from raysim.methods import TrainConfig, get_method
+
+    pairs = psnr(to_pixels(recon), to_pixels(original))
+    fr, fo = image_features(clip, recon), image_features(clip, original)
+    cos = fr @ fo.t()
+    zeroshot = get_method("zeroshot")
+    predict = zeroshot(TrainConfig(), zeroshot.Options()).predictor(env, {}, {})
+    pr, po = predict(fr).argmax(-1), predict(fo).argmax(-1)
+    (a, b), (c, d) = _matched(pairs), _matched(cos)
+    return GIAMetrics(
+        psnr=float(pairs[a, b].mean()),
+        clip_cos=float(cos[c, d].mean()),
+        top1=float((pr[c] == po[d]).float().mean()),
+        grad_cos=grad_cos,
+    )
+
+
+@dataclass
+class ClientView:
+    """What the attacker holds for one client: the data-term gradient function at theta_pre, the target
+    (g^ with the data-independent part removed) and the labels; `originals` only score the result."""
+
+    fn: SharedGrad
+    target: Tensor
+    labels: Tensor
+    originals: Tensor
+
+
+def multi_client_gia(
+    views: Sequence[ClientView], *, clip: torch.nn.Module, env: Any, image_size: int, iterations: int = 2000,
+    restarts: int = 4, lr: float = 0.1, tv_weight: float = 1e-4, seed: int = 0,
+) -> list[GIAMetrics]:
+    """Invert every client's update separately (seeded) and score each reconstruction within its client."""
+    out = []
+    for i, v in enumerate(views):
+        inv = invert_gradient(
+            v.fn, v.target, v.labels, image_size=image_size, iterations=iterations, restarts=restarts, lr=lr,
+            tv_weight=tv_weight, generator=torch.Generator().manual_seed(seed * 1000 + i),
+        )
+        out.append(reconstruction_metrics(inv.images, v.originals, clip=clip, env=env, grad_cos=inv.grad_cos))
+    return out
