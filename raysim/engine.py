@@ -191,7 +191,7 @@ def run(cfg: RunConfig, *, on_round: Optional[Callable[[dict[str, Any]], None]] 
     logger.resume_at(done)
     backend = BACKENDS[cfg.backend](cfg, data, str(out_dir), done)
     info = {"method": cfg.method, **backend.info}
-    if cfg.client_gpus > 0 and "cuda" not in " ".join(info.get("devices", ["cpu"])):
+    if cfg.client_gpus > 0 and cfg.backend != "ray" and "cuda" not in " ".join(info.get("devices", ["cpu"])):  # ray says it itself
         log.warning("client_gpus=%s but no GPU is visible: running on CPU", cfg.client_gpus)
     store = StateStore(out_dir)
     evals = eval_rounds(cfg.rounds, cfg.eval_every, cfg.eval_last)
