@@ -11,6 +11,9 @@ clamping pixels to the valid normalised range after every step, over several res
 lowest-loss one. The dummy gradient flows image -> frozen CLIP image tower -> L2-normalised feature
 -> the method's training loss -> shared tensor, through a `SharedGrad` function the caller builds
 (`prompt_shared_grad` does it for the CLIP prompt methods), so any prompt method can be attacked.
+Its costly part, the Jacobian of the text features w.r.t. the shared tensor, depends on theta_pre and
+the client's private text-side state (FedSEPT's R) but not on the router or the data, so clients that
+share both share it through a `TextJacobianCache`.
 
 g^ is exact when the client takes one plain SGD step (no momentum) on one batch; weight decay is
 removed if given. The private parts the loss needs (FedSEPT's R and router) are not seen by the
@@ -28,9 +31,11 @@ size (224 for ViT-B/16, 32 for raysim-tiny and raysim-clip).
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -90,13 +95,16 @@ class PromptGradient:
 @dataclass
 class _PromptParts:
     """A prompt method's loss split at its text features: text(theta) -> T (no image in it), then
-    head(theta, T, features) -> logits; `separable` when head reads theta only through T."""
+    head(theta, T, features) -> logits; `separable` when head reads theta only through T. `text_state`:
+    the client's private tensors `text` reads besides theta (FedSEPT's R; not the router, which only
+    head reads)."""
 
     name: str
     text: Callable[[Tensor], Tensor]
     head: Callable[[Tensor, Tensor, Tensor], Tensor]
     regulariser: Callable[[Tensor], Tensor]
     separable: bool
+    text_state: tuple[Tensor, ...] = ()
 
 
 def _prompt_parts(method: Any, env: Any, private: dict[str, Any]) -> _PromptParts:
@@ -119,6 +127,7 @@ def _prompt_parts(method: Any, env: Any, private: dict[str, Any]) -> _PromptPart
             lambda A, T, feats: method.forward(env, A, R, router, feats, T)[0],
             lambda A: o.lambda_div * diversity_loss(A, method.M, o.div_reduction),
             separable=o.fusion == "logit",  # FedSEPT-PF fuses prompts per image: no image-free text features
+            text_state=() if R is None else (R,),
         )
     raise ConfigError(f"gradient inversion supports the prompt methods promptfl and fedsept, not {method.name!r}")
 
@@ -136,15 +145,65 @@ def jacobian(f: Callable[[Tensor], Tensor], x: Tensor, *, chunk: int = 32) -> Te
     return torch.cat(cols).t()
 
 
+class TextJacobianCache:
+    """Text-side linearisations (T0 = text(theta_pre), J = dT/dtheta at theta_pre) shared by
+    `prompt_shared_grad` calls, least recently used first out beyond `maxsize`.
+
+    The linearisation depends on the method object (experts, basis, variant), the env (the text tower,
+    class names, context), the shared tensor theta_pre and the client's private text-side state
+    (FedSEPT's R; not its router, not its data). The key is the identities of method and env (the cache
+    holds them, so the identities stay theirs) and the bytes, dtypes and shapes of theta_pre and the
+    private text-side tensors: clients that start from the same broadcast theta_pre with the same R
+    (e.g. R = 0 before their first round) share one Jacobian; a client whose R differs gets its own.
+    Do not change a cached method or env in place."""
+
+    def __init__(self, maxsize: int = 4) -> None:
+        if maxsize < 1:
+            raise ValueError(f"maxsize must be >= 1, got {maxsize}")
+        self.maxsize = maxsize
+        self.hits = self.misses = 0
+        self._entries: OrderedDict[tuple, tuple[Any, Any, Tensor, Tensor]] = OrderedDict()
+
+    @staticmethod
+    def digest(*tensors: Tensor) -> str:
+        h = hashlib.blake2b(digest_size=20)
+        for t in tensors:
+            t = t.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)};".encode())
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return h.hexdigest()
+
+    def get(self, method: Any, env: Any, parts: _PromptParts, theta: Tensor, compute: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        key = (id(method), id(env), parts.name, self.digest(theta), len(parts.text_state), self.digest(*parts.text_state))
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] is method and hit[1] is env:
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return hit[2], hit[3]
+        self.misses += 1
+        T0, J = compute()
+        self._entries[key] = (method, env, T0, J)
+        while len(self._entries) > self.maxsize:
+            self._entries.popitem(last=False)
+        return T0, J
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 def prompt_shared_grad(
     method: Any, env: Any, clip: torch.nn.Module, shared: dict[str, Tensor], private: dict[str, Any], *, linearise: bool = True,
+    cache: Optional[TextJacobianCache] = None,
 ) -> PromptGradient:
     """The gradient of a CLIP prompt method's training loss w.r.t. its shared tensor at `shared`
     (PromptFL: CE on ctx; FedSEPT: CE + lambda_div L_div on A, with the client's R and router).
 
     The text features do not depend on the images, so with `linearise` (where the method allows it) the
     Jacobian J of text features w.r.t. the shared tensor is computed once, at theta_pre, and every call
-    costs the image side only: grad = J^T dCE/dT. The result is the same gradient."""
+    costs the image side only: grad = J^T dCE/dT. The result is the same gradient. J is the expensive
+    part (a forward-mode pass of the text tower per coordinate of theta) and is the same for every client
+    with the same theta_pre and private text-side state (R): pass one `cache` to the calls for several
+    clients to compute it once per distinct (theta_pre, R)."""
     parts = _prompt_parts(method, env, private)
     theta = shared[parts.name].detach().to(env.device)
     p = theta.clone().requires_grad_(True)
@@ -152,8 +211,12 @@ def prompt_shared_grad(
 
     with sdpa_kernel(SDPBackend.MATH):  # the fused attention kernels have neither double nor forward-mode AD
         if linearise and parts.separable:
-            T0 = parts.text(theta).detach()
-            J = jacobian(parts.text, theta)
+
+            def linearisation() -> tuple[Tensor, Tensor]:
+                with sdpa_kernel(SDPBackend.MATH):
+                    return parts.text(theta).detach(), jacobian(parts.text, theta)
+
+            T0, J = linearisation() if cache is None else cache.get(method, env, parts, theta, linearisation)
 
             def fn(images: Tensor, labels: Tensor) -> Tensor:
                 T = T0.clone().requires_grad_(True)

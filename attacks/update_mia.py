@@ -11,11 +11,17 @@ client's upload and the broadcast state it started from). Two logistic-regressio
   personalised model (max softmax probability, top-1 minus top-2 margin, entropy, true-class
   probability, cross-entropy loss), rebuilt from the run's checkpoints.
 
-Members are the training samples of a target client, non-members as many training samples drawn from
-the other clients. Every client takes its turn as the target and the pairs of all targets are pooled
-into one attacker data set: split 50/50 (seeded, stratified), z-scored on the attacker-train half,
-`LogisticRegression`, ROC-AUC on the other half; per round, then the mean over rounds and the final
-round.
+Members are the training samples of a target client. Non-members (`nonmembers=`):
+
+- "other_clients" (the default, as in the paper and SPEC 1.12): as many training samples drawn from the
+  other clients.
+- "own_test": samples of the target client's own test split, which nobody trained on, drawn class by
+  class to match the members (per class of the target's training set, min(#train, #test) members and
+  as many non-members; members of a class without test samples are left out).
+
+Every client takes its turn as the target and the pairs of all targets are pooled into one attacker
+data set: split 50/50 (seeded, stratified), z-scored on the attacker-train half, `LogisticRegression`,
+ROC-AUC on the other half; per round, then the mean over rounds and the final round.
 
 Update features are client-level: a sample inherits the features of the client that owns it, so in
 the pooled set every client's features appear as members (when it is the target) and as non-members
@@ -24,6 +30,15 @@ and the update-only AUC sits at chance, as in the paper (0.45-0.50). The query f
 sample and come from the target's own model, which is confident on the data it was trained on (and,
 under label skew, on its own classes), so without DP the update-and-query attack succeeds (paper: AUC
 0.947, 0.55-0.58 under local DP).
+
+With other_clients non-members and label skew, the query attacker mostly learns "is this sample of one
+of the target's classes", which a model that never memorised anything also reveals (and local DP,
+which covers only the uploaded tensor, does not hide). "own_test" asks the memorisation question
+proper: members and non-members have the same classes and the same update features (the target's
+own), so the update-only attacker cannot separate them (its AUC differs from 0.5 only through how the
+50/50 split happens to share out each target's pairs) and the update-and-query AUC measures how much
+more confident the personalised model is on its training samples than on unseen samples of the same
+classes.
 """
 
 from __future__ import annotations
@@ -50,6 +65,7 @@ QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 UPDATE_FEATURES = ("delta_norm", *(f"q{int(100 * q)}" for q in QUANTILES), "sparsity", "drift", "window_cos")
 QUERY_FEATURES = ("max_prob", "margin", "entropy", "true_prob", "ce_loss")
 ATTACKS = ("update-only", "update-and-query")
+NONMEMBERS = ("other_clients", "own_test")
 
 
 # -- features ---------------------------------------------------------------------------------
@@ -124,42 +140,88 @@ def recorded_update_features(run_dir: str | Path) -> dict[int, dict[int, np.ndar
 
 @dataclass(frozen=True)
 class Pairs:
-    """The attacker's candidates: a sample (row of the training set), its owner, the target, member?"""
+    """The attacker's candidates: a sample (a row of the training set, or of the test set where
+    `in_test`), the client whose update features it carries (`owner`: the client that holds it), the
+    target, member?"""
 
     sample: np.ndarray
     owner: np.ndarray
     target: np.ndarray
     member: np.ndarray
     train: np.ndarray  # bool: in the attacker's training half
+    in_test: np.ndarray  # bool: `sample` indexes the test set (own_test non-members)
+    nonmembers: str = "other_clients"
 
     def __len__(self) -> int:
         return len(self.sample)
 
 
-def membership_pairs(train_idx: Sequence[np.ndarray], targets: Sequence[int], *, seed: int = 0) -> Pairs:
-    """Balanced members (a target's training samples) and non-members (other clients' training samples),
-    pooled over the targets, with a seeded, stratified 50/50 attacker train/test split."""
+def check_nonmembers(nonmembers: str) -> str:
+    if nonmembers not in NONMEMBERS:
+        raise ConfigError(
+            f"nonmembers must be one of {', '.join(NONMEMBERS)} (other clients' training samples, or the "
+            f"target's own test samples of its classes), got {nonmembers!r}"
+        )
+    return nonmembers
+
+
+def membership_pairs(
+    train_idx: Sequence[np.ndarray],
+    targets: Sequence[int],
+    *,
+    seed: int = 0,
+    nonmembers: str = "other_clients",
+    test_idx: Optional[Sequence[np.ndarray]] = None,
+    y_train: Optional[np.ndarray] = None,
+    y_test: Optional[np.ndarray] = None,
+) -> Pairs:
+    """Balanced members (a target's training samples) and non-members, pooled over the targets, with a
+    seeded, stratified 50/50 attacker train/test split. Non-members: "other_clients", other clients'
+    training samples; "own_test", the target's test samples (`test_idx[t]`), class-matched to the
+    members (needs `test_idx`, `y_train` and `y_test`; see the module docstring)."""
     from sklearn.model_selection import train_test_split
 
+    check_nonmembers(nonmembers)
+    own_test = nonmembers == "own_test"
+    if own_test and (test_idx is None or y_train is None or y_test is None):
+        raise ConfigError("nonmembers='own_test' needs the clients' test_idx and the labels y_train, y_test")
     rng = np.random.default_rng(seed)
     owner_of = np.full(1 + max(int(i.max()) for i in train_idx if len(i)), -1)
     for cid, idx in enumerate(train_idx):
         owner_of[idx] = cid
-    cols: list[list[np.ndarray]] = [[], [], []]
+    cols: list[list[np.ndarray]] = [[], [], [], [], []]  # sample, owner, target, member, in_test
     for t in targets:
-        others = np.concatenate([idx for cid, idx in enumerate(train_idx) if cid != t])
-        n = min(len(train_idx[t]), len(others))
-        members = rng.choice(train_idx[t], size=n, replace=False)
-        nonmembers = rng.choice(others, size=n, replace=False)
-        for col, part in zip(cols, (np.r_[members, nonmembers], np.full(2 * n, t), np.r_[np.ones(n), np.zeros(n)])):
+        if own_test:
+            mine, theirs = np.asarray(train_idx[t]), np.asarray(test_idx[t])
+            members, nonmember = [], []
+            for c in np.unique(y_train[mine]):
+                tr, te = mine[y_train[mine] == c], theirs[y_test[theirs] == c]
+                k = min(len(tr), len(te))
+                members.append(rng.choice(tr, size=k, replace=False))
+                nonmember.append(rng.choice(te, size=k, replace=False))
+            m, nm = (np.concatenate(x) if x else np.zeros(0, np.int64) for x in (members, nonmember))
+            n = len(m)
+            owner = np.full(2 * n, t)
+        else:
+            others = np.concatenate([idx for cid, idx in enumerate(train_idx) if cid != t])
+            n = min(len(train_idx[t]), len(others))
+            m = rng.choice(train_idx[t], size=n, replace=False)
+            nm = rng.choice(others, size=n, replace=False)
+            owner = owner_of[np.r_[m, nm]]
+        parts = (np.r_[m, nm], owner, np.full(2 * n, t), np.r_[np.ones(n), np.zeros(n)], np.r_[np.zeros(n), np.full(n, own_test)])
+        for col, part in zip(cols, parts):
             col.append(part)
-    sample, target, member = (np.concatenate(c) for c in cols)
+    sample, owner, target, member, in_test = (np.concatenate(c) for c in cols)
     if len(sample) < 4:
-        raise ConfigError(f"too few candidate samples ({len(sample)}) for a membership attack; use clients with more data")
+        raise ConfigError(
+            f"too few candidate samples ({len(sample)}) for a membership attack; use clients with more data"
+            + (" (own_test: with test samples of their training classes)" if own_test else "")
+        )
     train_rows, _ = train_test_split(np.arange(len(sample)), test_size=0.5, random_state=seed, stratify=member)
     train = np.zeros(len(sample), dtype=bool)
     train[train_rows] = True
-    return Pairs(sample, owner_of[sample], target, member.astype(bool), train)
+    return Pairs(sample.astype(np.int64), owner.astype(np.int64), target.astype(np.int64), member.astype(bool), train,
+                 in_test.astype(bool), nonmembers)
 
 
 def logistic_auc(x: np.ndarray, member: np.ndarray, train: np.ndarray, *, seed: int = 0) -> float:
@@ -184,6 +246,7 @@ class AttackResult:
     attack: str
     round_aucs: dict[int, float] = field(default_factory=dict)
     pairs: int = 0
+    nonmembers: str = "other_clients"
 
     @property
     def mean_auc(self) -> float:
@@ -203,8 +266,9 @@ def update_mia(
     seed: int = 0,
 ) -> AttackResult:
     """Per round, the logistic attacker on the owners' update features (plus `query`, per-pair query
-    features, for the update-and-query attacker). Pairs whose owner did not upload that round are left out."""
-    result = AttackResult(ATTACKS[query is not None], pairs=len(pairs))
+    features, for the update-and-query attacker). Pairs whose owner did not upload that round are left out.
+    The non-members are whatever `pairs` holds (`membership_pairs(nonmembers=...)`); the result names them."""
+    result = AttackResult(ATTACKS[query is not None], pairs=len(pairs), nonmembers=pairs.nonmembers)
     for r in sorted(updates):
         feats = updates[r]
         keep = np.array([int(o) in feats for o in pairs.owner])
@@ -219,9 +283,12 @@ def update_mia(
 
 # -- rebuilding the final personalised models -------------------------------------------------
 
-def final_model_logits(run_dir: str | Path, cfg, data, rows: Mapping[int, np.ndarray]) -> dict[int, Tensor]:
-    """Logits of each client's final personalised model on its training-set rows `rows[client]` (from the
-    checkpoints of the last completed round; a client that never took part has its initial private state)."""
+def final_model_logits(
+    run_dir: str | Path, cfg, data, rows: Mapping[int, np.ndarray], *, in_test: Optional[Mapping[int, np.ndarray]] = None,
+) -> dict[int, Tensor]:
+    """Logits of each client's final personalised model on its rows `rows[client]` of the training set
+    (or of the test set where `in_test[client]`, a bool mask over those rows, is set), from the checkpoints
+    of the last completed round; a client that never took part has its initial private state."""
     from raysim.actors import broadcast_state, env_spec, initial_private, make_method
     from raysim.store import StateStore
 
@@ -235,7 +302,14 @@ def final_model_logits(run_dir: str | Path, cfg, data, rows: Mapping[int, np.nda
     shared = broadcast_state(method, server)
     out = {}
     for cid, idx in rows.items():
-        inputs = [torch.as_tensor(a[idx]) for a in (data.x_train, data.tok_train) if a is not None]
+        test = np.zeros(len(idx), dtype=bool) if in_test is None else np.asarray(in_test[cid], dtype=bool)
+        inputs = []
+        for tr, te in ((data.x_train, data.x_test), (data.tok_train, data.tok_test)):
+            if tr is None:
+                continue
+            x = np.empty((len(idx), *tr.shape[1:]), dtype=tr.dtype)
+            x[~test], x[test] = tr[idx[~test]], te[idx[test]]
+            inputs.append(torch.as_tensor(x))
         cdata = data.client(cid)
         saved = store.load_client(cid, last)
         private = saved["private"] if saved is not None else initial_private(method, env, cdata, cfg.seed)
@@ -244,11 +318,14 @@ def final_model_logits(run_dir: str | Path, cfg, data, rows: Mapping[int, np.nda
     return out
 
 
-def audit_run(run_dir: str | Path, *, target_clients: Optional[Sequence[int]] = None, seed: int = 0) -> pd.DataFrame:
+def audit_run(
+    run_dir: str | Path, *, target_clients: Optional[Sequence[int]] = None, seed: int = 0, nonmembers: str = "other_clients",
+) -> pd.DataFrame:
     """Both attackers on a recorded run: one row per attack with mean_auc, final_auc, the number of
-    recorded rounds, targets and candidate pairs, and the run's HM accuracy (a fraction; SPEC 1.12).
-    `target_clients`: whose membership is attacked (default: every client; see the module docstring
-    for why the pooled design wants several)."""
+    recorded rounds, targets and candidate pairs, the run's HM accuracy (a fraction; SPEC 1.12) and the
+    kind of non-members. `target_clients`: whose membership is attacked (default: every client; see the
+    module docstring for why the pooled design wants several). `nonmembers`: "other_clients" (SPEC) or
+    "own_test" (the target's own test samples of its classes; see the module docstring)."""
     import pandas as pd
 
     from raysim.config import build_config, load_yaml
@@ -256,6 +333,7 @@ def audit_run(run_dir: str | Path, *, target_clients: Optional[Sequence[int]] = 
     from raysim.engine import prepare_data
     from raysim.metrics import summarize
 
+    check_nonmembers(nonmembers)
     run_dir = Path(run_dir).expanduser()
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} holds no config.yaml; pass the out_dir of a run")
@@ -266,17 +344,22 @@ def audit_run(run_dir: str | Path, *, target_clients: Optional[Sequence[int]] = 
     bad = [t for t in targets if not 0 <= t < data.num_clients]
     if bad:
         raise ConfigError(f"target clients {bad} do not exist (the run has clients 0..{data.num_clients - 1})")
-    pairs = membership_pairs(data.train_idx, targets, seed=seed)
+    pairs = membership_pairs(data.train_idx, targets, seed=seed, nonmembers=nonmembers, test_idx=data.test_idx,
+                             y_train=data.y_train, y_test=data.y_test)
     mine = {t: pairs.target == t for t in targets}
-    logits = final_model_logits(run_dir, cfg, data, {t: pairs.sample[m] for t, m in mine.items()})
+    logits = final_model_logits(run_dir, cfg, data, {t: pairs.sample[m] for t, m in mine.items()},
+                                in_test={t: pairs.in_test[m] for t, m in mine.items()})
+    labels = np.empty(len(pairs), dtype=np.int64)
+    labels[~pairs.in_test] = data.y_train[pairs.sample[~pairs.in_test]]
+    labels[pairs.in_test] = data.y_test[pairs.sample[pairs.in_test]]
     query = np.zeros((len(pairs), len(QUERY_FEATURES)))
     for t, m in mine.items():
-        query[m] = query_features(logits[t], torch.as_tensor(data.y_train[pairs.sample[m]]))
+        query[m] = query_features(logits[t], torch.as_tensor(labels[m]))
     hm = summarize(run_dir / "results.csv", last=max(1, cfg.eval_last)).get("hm", math.nan)
     results = [update_mia(updates, pairs, seed=seed), update_mia(updates, pairs, query=query, seed=seed)]
     return pd.DataFrame([
         {"attack": r.attack, "mean_auc": r.mean_auc, "final_auc": r.final_auc, "rounds": len(r.round_aucs),
-         "targets": len(targets), "pairs": r.pairs, "hm": hm}
+         "targets": len(targets), "pairs": r.pairs, "hm": hm, "nonmembers": r.nonmembers}
         for r in results
     ])
 
@@ -294,9 +377,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("run_dir", help="out_dir of a run made with record_uploads=true")
     ap.add_argument("--targets", type=int, nargs="*", default=None, help="target clients (default: all)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--nonmembers", choices=NONMEMBERS, default="other_clients",
+                    help="other clients' training samples (SPEC, default) or the target's own test samples of its classes")
     args = ap.parse_args(argv)
     try:
-        df = audit_run(args.run_dir, target_clients=args.targets, seed=args.seed)
+        df = audit_run(args.run_dir, target_clients=args.targets, seed=args.seed, nonmembers=args.nonmembers)
     except RaysimError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

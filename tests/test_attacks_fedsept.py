@@ -14,6 +14,7 @@ from raysim.attacks.update_mia import (
     QUERY_FEATURES,
     UPDATE_FEATURES,
     audit_run,
+    final_model_logits,
     main,
     membership_pairs,
     query_features,
@@ -94,6 +95,29 @@ def test_membership_pairs_are_balanced_and_split_in_half():
     assert np.array_equal(p.sample, again.sample) and np.array_equal(p.train, again.train)
 
 
+def test_own_test_nonmembers_are_the_targets_unseen_samples_of_its_classes():
+    y_train = np.array([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3])
+    y_test = np.array([0, 0, 1, 2, 0, 1, 1, 2, 3, 3, 3, 3, 3])
+    train_idx = [np.arange(0, 5), np.arange(5, 12)]  # client 0: classes 0, 1; client 1: classes 2, 3
+    test_idx = [np.array([0, 1, 2, 4, 5]), np.array([3, 7, 8, 9, 10, 11, 12])]
+    p = membership_pairs(train_idx, [0, 1], seed=1, nonmembers="own_test", test_idx=test_idx, y_train=y_train, y_test=y_test)
+    assert p.nonmembers == "own_test" and (p.in_test == ~p.member).all() and (p.owner == p.target).all()
+    for t in (0, 1):
+        mine = p.target == t
+        mem, non = p.sample[mine & p.member], p.sample[mine & ~p.member]
+        assert np.isin(mem, train_idx[t]).all() and np.isin(non, test_idx[t]).all()
+        # class by class, min(#train, #test) of each
+        assert sorted(y_train[mem]) == sorted(y_test[non]) == {0: [0, 0, 0, 1, 1], 1: [2, 2, 3, 3, 3]}[t]
+    assert p.train.sum() == len(p) // 2 and p.member[p.train].sum() == p.member[~p.train].sum()
+    # the default is SPEC 1.12's
+    d = membership_pairs(train_idx, [0, 1], seed=1)
+    assert d.nonmembers == "other_clients" and not d.in_test.any()
+    with pytest.raises(ConfigError, match="nonmembers must be one of other_clients, own_test.*'own-test'"):
+        membership_pairs(train_idx, [0], nonmembers="own-test")
+    with pytest.raises(ConfigError, match="needs the clients' test_idx"):
+        membership_pairs(train_idx, [0], nonmembers="own_test")
+
+
 @pytest.fixture(scope="module")
 def fedsept_run(tmp_path_factory, cache_dir):
     """Three recorded FedSEPT rounds whose personalised models fit their own few-shot data."""
@@ -124,6 +148,43 @@ def test_update_mia_cli_and_unrecorded_runs(fedsept_run, tmp_path, capsys):
         recorded_update_features(tmp_path)
     assert main([str(tmp_path)]) == 2
     assert "config.yaml" in capsys.readouterr().err
+
+
+def test_own_test_nonmembers_remove_the_class_signal(fedsept_run, capsys):
+    """Under label skew, other clients' samples are of other classes: the query attacker reads the class.
+    The target's own unseen test samples of its classes leave it only memorisation, which this short run
+    barely has (measured: other_clients final AUC 0.96-0.99, own_test 0.42-0.46, over seeds 0-2)."""
+    other = audit_run(fedsept_run).set_index("attack")
+    own = audit_run(fedsept_run, nonmembers="own_test").set_index("attack")
+    assert (own["nonmembers"] == "own_test").all() and (other["nonmembers"] == "other_clients").all()
+    assert (own["pairs"] > 0).all() and (own["rounds"] == 3).all()
+    for col in ("mean_auc", "final_auc"):
+        assert own[col].between(0, 1).all()  # valid numbers, not nan
+        assert own.loc["update-and-query", col] < other.loc["update-and-query", col] - 0.3
+    # members and non-members carry the same (the target's) update features: chance up to the split's noise
+    assert 0.3 < own.loc["update-only", "mean_auc"] < 0.7
+    assert main([str(fedsept_run), "--nonmembers", "own_test"]) == 0
+    assert "own_test |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([str(fedsept_run), "--nonmembers", "test"])
+    assert "invalid choice: 'test'" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="nonmembers must be one of"):
+        audit_run(fedsept_run, nonmembers="test")
+
+
+def test_final_model_logits_reads_test_rows_where_asked(fedsept_run):
+    from raysim.actors import make_method
+    from raysim.config import build_config, load_yaml
+    from raysim.engine import prepare_data
+
+    cfg = build_config(load_yaml(fedsept_run / "config.yaml"))
+    data = prepare_data(cfg, make_method(cfg).input, progress=False)
+    tr, te = data.train_idx[1][:3], data.test_idx[1][:2]
+    mixed = final_model_logits(fedsept_run, cfg, data, {1: np.r_[tr, te]}, in_test={1: np.r_[[False] * 3, [True] * 2]})[1]
+    train_only = final_model_logits(fedsept_run, cfg, data, {1: tr})[1]
+    test_only = final_model_logits(fedsept_run, cfg, data, {1: te}, in_test={1: np.ones(2, dtype=bool)})[1]
+    torch.testing.assert_close(mixed, torch.cat([train_only, test_only]))
+    assert not torch.allclose(test_only, final_model_logits(fedsept_run, cfg, data, {1: te})[1])  # other rows
 
 
 # -- gradient inversion -------------------------------------------------------------------------
@@ -167,7 +228,8 @@ def one_step_client(cache_dir):
             for name, h in (("clean", NoDP()), ("dp", dp))}
     grad = prompt_shared_grad(method, env, clip, shared, private)
     targets = {k: grad.target(observed_gradient(shared["A"], v, lr=eta)) for k, v in post.items()}
-    yield dict(clip=clip, env=env, images=images, labels=labels, grad=grad, targets=targets)
+    yield dict(clip=clip, env=env, images=images, labels=labels, grad=grad, targets=targets, method=method, shared=shared,
+               data=data)
     torch.set_num_threads(threads)
 
 
@@ -193,3 +255,39 @@ def test_gradient_inversion_leaks_without_dp_and_not_under_dp(one_step_client):
     assert 1 - clean.clip_cos < 0.75 * (1 - baseline.clip_cos)
     assert dp.grad_cos < clean.grad_cos - 0.1 and dp.clip_cos < baseline.clip_cos < clean.clip_cos
     assert all(math.isfinite(m.psnr) and 0 <= m.top1 <= 1 for m in (clean, dp, baseline))
+
+
+def test_text_jacobian_cache_is_shared_only_where_it_is_the_same(one_step_client):
+    """The text Jacobian depends on theta_pre and R, not on the router: clients with the same theta_pre and
+    R share one, and the gradient with the shared Jacobian equals the one computed afresh."""
+    from raysim.attacks.gradient_inversion import TextJacobianCache, prompt_shared_grad
+
+    c = one_step_client
+    method, env, clip, shared = c["method"], c["env"], c["clip"], c["shared"]
+
+    def client(seed: int, R_scale: float = 0.0) -> dict:
+        private = method.init_private(env, c["data"], torch.Generator().manual_seed(seed))  # own router, R = 0
+        private["R"] = private["R"] + R_scale * torch.randn(private["R"].shape, generator=torch.Generator().manual_seed(seed))
+        return private
+
+    def grad(private, cache=None):
+        return prompt_shared_grad(method, env, clip, shared, private, cache=cache).fn(c["images"], c["labels"]).detach()
+
+    cache = TextJacobianCache()
+    clients = [client(10), client(11), client(12, R_scale=0.02), client(13)]
+    cached = [grad(p, cache) for p in clients]
+    for private, g in zip(clients, cached):
+        fresh = grad(private)
+        torch.testing.assert_close(g, fresh, rtol=1e-5, atol=1e-7)
+        assert g.norm() > 0
+    assert (cache.misses, cache.hits, len(cache)) == (2, 2, 2)  # R = 0 once, the client with its own R once
+    assert not torch.allclose(cached[0], cached[1])  # the routers differ, so do the gradients
+    assert not torch.allclose(cached[0], cached[2])
+    # a different theta_pre is a different Jacobian
+    other = {"A": shared["A"] + 0.01}
+    prompt_shared_grad(method, env, clip, other, clients[0], cache=cache)
+    assert cache.misses == 3
+    small = TextJacobianCache(maxsize=1)
+    for p in clients[:3]:
+        prompt_shared_grad(method, env, clip, shared, p, cache=small)
+    assert (small.misses, small.hits, len(small)) == (2, 1, 1)

@@ -19,7 +19,10 @@ def test_gia_benchmark_table_and_png(tmp_path, cache_dir, capsys):
         "--model", "raysim-tiny", "--pretrained", "", "--cache-dir", cache_dir, "--clients", "2", "--samples", "2",
         "--iterations", "30", "--restarts", "1", "--threads", "1", "--save-png", str(png),
     ]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # the clients share theta_pre and R = 0: the text Jacobian is computed for the first and reused
+    assert re.search(r"client 0: .*text Jacobian at theta_pre computed", err)
+    assert re.search(r"client 1: .*text Jacobian at theta_pre reused", err)
     lines = [l for l in out.splitlines() if l.startswith("|")]
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     assert header[:5] == ["Client", "GradCos", "PSNR (dB)", "CLIPCos", "Top-1"] and "GradCos (rand)" in header
