@@ -343,16 +343,23 @@ class ClientView:
     originals: Tensor
 
 
+def invert_client(
+    view: ClientView, index: int, *, clip: torch.nn.Module, env: Any, image_size: int, iterations: int = 2000,
+    restarts: int = 4, lr: float = 0.1, tv_weight: float = 1e-4, seed: int = 0,
+) -> tuple[Inversion, GIAMetrics]:
+    """Invert client `index`'s update (its own seeded stream) and score the reconstruction within the client."""
+    inv = invert_gradient(
+        view.fn, view.target, view.labels, image_size=image_size, iterations=iterations, restarts=restarts, lr=lr,
+        tv_weight=tv_weight, generator=torch.Generator().manual_seed(seed * 1000 + index),
+    )
+    return inv, reconstruction_metrics(inv.images, view.originals, clip=clip, env=env, grad_cos=inv.grad_cos)
+
+
 def multi_client_gia(
     views: Sequence[ClientView], *, clip: torch.nn.Module, env: Any, image_size: int, iterations: int = 2000,
     restarts: int = 4, lr: float = 0.1, tv_weight: float = 1e-4, seed: int = 0,
 ) -> list[GIAMetrics]:
     """Invert every client's update separately (seeded) and score each reconstruction within its client."""
-    out = []
-    for i, v in enumerate(views):
-        inv = invert_gradient(
-            v.fn, v.target, v.labels, image_size=image_size, iterations=iterations, restarts=restarts, lr=lr,
-            tv_weight=tv_weight, generator=torch.Generator().manual_seed(seed * 1000 + i),
-        )
-        out.append(reconstruction_metrics(inv.images, v.originals, clip=clip, env=env, grad_cos=inv.grad_cos))
-    return out
+    knobs = dict(clip=clip, env=env, image_size=image_size, iterations=iterations, restarts=restarts, lr=lr,
+                 tv_weight=tv_weight, seed=seed)
+    return [invert_client(v, i, **knobs)[1] for i, v in enumerate(views)]

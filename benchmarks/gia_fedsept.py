@@ -85,7 +85,7 @@ def attack(args) -> tuple[list[dict[str, float]], dict]:
         ClientView,
         TextJacobianCache,
         image_features,
-        invert_gradient,
+        invert_client,
         observed_gradient,
         pixel_range,
         prompt_shared_grad,
@@ -139,12 +139,10 @@ def attack(args) -> tuple[list[dict[str, float]], dict]:
               f"{time.perf_counter() - t1:.1f}s", file=sys.stderr, flush=True)
 
         t1 = time.perf_counter()
-        # as multi_client_gia does (the same seeds), keeping the images for --save-png
-        inv = invert_gradient(view.fn, view.target, view.labels, image_size=size, iterations=args.iterations,
-                              restarts=args.restarts, lr=args.lr, tv_weight=args.tv,
-                              generator=torch.Generator().manual_seed(args.seed * 1000 + k))
+        inv, metrics = invert_client(view, k, clip=clip, env=env, image_size=size, iterations=args.iterations,
+                                     restarts=args.restarts, lr=args.lr, tv_weight=args.tv, seed=args.seed)
         seconds = time.perf_counter() - t1
-        got = reconstruction_metrics(inv.images, view.originals, clip=clip, env=env, grad_cos=inv.grad_cos).as_dict()
+        got = metrics.as_dict()
 
         noise = torch.randn(images.shape, generator=torch.Generator().manual_seed(args.seed * 1000 + 400 + k))
         noise = torch.max(torch.min(noise, high), low)
