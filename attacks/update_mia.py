@@ -339,7 +339,7 @@ def audit_run(
         raise ConfigError(f"{run_dir} holds no config.yaml; pass the out_dir of a run")
     cfg = build_config(load_yaml(run_dir / "config.yaml"))
     updates = recorded_update_features(run_dir)
-    data = prepare_data(cfg, make_method(cfg).input, progress=False)
+    data = prepare_data(cfg, make_method(cfg).needs(), progress=False)
     targets = list(range(data.num_clients)) if target_clients is None else sorted(set(int(t) for t in target_clients))
     bad = [t for t in targets if not 0 <= t < data.num_clients]
     if bad:

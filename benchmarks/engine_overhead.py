@@ -32,7 +32,7 @@ def plain_loop(cfg, rounds: int) -> list[float]:
 
     torch.set_num_threads(cfg.num_threads)
     method = make_method(cfg)
-    data = prepare_data(cfg, method.input, progress=False)
+    data = prepare_data(cfg, method.needs(), progress=False)
     env = method.build_env(env_spec(cfg, data.classnames), role="client")
     xtr, ytr = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
     shared = method.init_shared(env, generator(cfg.seed, "server-init"))

@@ -127,7 +127,7 @@ def measure(name, method, env, args, device) -> dict[str, float]:
     x = F.normalize(torch.randn(n, D, generator=g), dim=-1)
     y = torch.randint(0, C, (n,), generator=g)
     toks = None
-    if method.input == "features+tokens":  # random tokens of the image tower's shape, float16 as cached
+    if method.needs().tokens:  # random tokens of the image tower's shape, float16 as cached
         toks = torch.randn(n, num_tokens(args.model), env.token_dim, generator=g).to(torch.float16)
     data = ClientData(0, x, y, x[: args.batch], y[: args.batch], C, tokens_train=toks,
                       tokens_test=None if toks is None else toks[: args.batch])

@@ -7,20 +7,25 @@ The engine owns orchestration, sampling, DP accounting, evaluation and I/O. A me
 - `private`: the client's private state (anything torch.save can store); it never leaves the client,
 - `data`: the client's `ClientData`,
 - `rng`: a `torch.Generator` seeded for this (round, client) stream,
-- `privacy`: a `PrivacyHandle` that applies DP-SGD to the tensors the client uploads and records
-  every step in the client's ledger.
+- `privacy`: a `PrivacyHandle` (privacy/host.py): the epoch's batches, DP-SGD on the named upload tensors,
+  and the prototype / embedding releases the host computes; the host checks and accounts every upload.
 
-`uploads` declares, by name, every tensor a client may send; the engine refuses anything else.
+`releases` declares, by name, every tensor a client may send and how it is released
+(privacy/mechanisms.py: dpsgd, update, prototype, embedding, public); `uploads` is its tuple of names.
+The engine refuses anything undeclared, and under DP anything not privatised by its declared release.
+`needs()` declares what the method needs from the engine (input kind and size, image tokens, class
+names on the server); it is checked at config time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Optional, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
 
+from raysim.privacy.mechanisms import ReleaseSpec
 from raysim.registry import Registry
 
 
@@ -79,9 +84,20 @@ class ClientData:
         return sorted(int(c) for c in torch.unique(self.y_train))
 
 
+@dataclass(frozen=True)
+class Needs:
+    """What a method needs from the engine, declared (not probed) and checked at config time."""
+
+    input: str = "features"  # "features" (frozen CLIP image features) or "images" (pixels, for own models)
+    image_size: int = 0  # images: the input size the method's models take (0 = the CLIP model's)
+    tokens: bool = False  # also the frozen image tower's token sequences (predict(features, tokens))
+    server_classnames: bool = True  # False: the server sees "class i" only (e.g. FedTSP's private variant)
+
+
 @dataclass
 class LocalResult:
-    """What `local_train` returns: the upload (declared tensors only) and the new private state."""
+    """What `local_train` returns: the upload (declared tensors only), the new private state, and
+    metrics (logged by the engine on the driver; never handed to the server)."""
 
     upload: dict[str, Tensor]
     private: dict[str, Any]
@@ -91,25 +107,46 @@ class LocalResult:
 
 @dataclass
 class Upload:
-    """An upload as the server receives it (the engine builds it from a LocalResult)."""
+    """An upload as the server receives it (the engine builds it from a LocalResult): the checked,
+    privatised arrays and the sample count (public in all three papers: FedAvg weights). No metrics."""
 
     client_id: int
     tensors: dict[str, Tensor]
     num_samples: int
-    metrics: dict[str, float] = field(default_factory=dict)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+@dataclass
+class ServerResult:
+    """What `aggregate` may return instead of the bare new state: the state and server-side metrics
+    (e.g. a server loss), which land in results.csv and TensorBoard and are never broadcast."""
+
+    state: dict[str, Tensor]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
 class PrivacyHandle(Protocol):
-    """What a method may ask of the privacy layer during local training."""
+    """What a method may ask of the privacy layer during local training (privacy/host.py RoundPrivacy)."""
 
     enabled: bool
 
-    def backward(self, per_sample_loss: Tensor, dp_params: Sequence[Tensor], other_params: Sequence[Tensor] = ()) -> None:
-        """Set `.grad` of `dp_params` to the clipped, noised per-example mean (DP-SGD) and of
+    def batches(self, n: int, batch_size: int, rng: torch.Generator) -> Iterator[Tensor]:
+        """One epoch's mini-batch indices (Poisson-sampled under DP-SGD with dp.sampling=poisson)."""
+        ...
+
+    def backward(self, per_sample_loss: Tensor, dp_params: dict[str, Tensor], other_params: Sequence[Tensor] = (),
+                 public_loss: Optional[Tensor] = None) -> None:
+        """Set `.grad` of `dp_params` ({upload name: tensor}) to the clipped, noised per-example mean
+        (DP-SGD) plus the plain gradient of `public_loss` (a data-independent term), and of
         `other_params` to the plain gradient of the mean loss; records one DP-SGD step."""
+        ...
+
+    def release(self, name: str, value: Any = None, *, features: Optional[Tensor] = None, labels: Optional[Tensor] = None,
+                num_classes: int = 0, clip: float = 0.0) -> Tensor:
+        """A prototype release (class means of `features`) or an embedding release of `value`, computed and
+        privatised by the host; the method uploads what it returns under `name`."""
         ...
 
 
@@ -121,15 +158,30 @@ class Method:
 
     name: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
-    uploads: ClassVar[tuple[str, ...]] = ()  # every tensor a client may send to the server
+    releases: ClassVar[dict[str, ReleaseSpec]] = {}  # every tensor a client may send, and how it is released
+    uploads: ClassVar[tuple[str, ...]] = ()  # the names of `releases` (set for each subclass)
     server_only: ClassVar[tuple[str, ...]] = ()  # keys (or "prefix" for prefix.*) kept on the server, never broadcast
-    # "features" (frozen CLIP image features), "features+tokens" (also the image tower's tokens: the
-    # predictor is then called as predict(features, tokens)) or "images"
-    input: ClassVar[str] = "features"
+    client_metrics: ClassVar[tuple[str, ...]] = ("loss",)  # what local_train reports (results.csv train_* columns)
+    server_metrics: ClassVar[tuple[str, ...]] = ()  # what aggregate reports in a ServerResult (server_* columns)
 
-    def __init__(self, train: TrainConfig, options: Any) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.uploads = tuple(cls.releases)
+
+    def __init__(self, train: TrainConfig, options: Any, dp: Any = None) -> None:
+        from raysim.config import DPConfig
+
         self.train = train
         self.opts = options
+        self.dp = dp if dp is not None else DPConfig()  # the run's local-DP target (read-only, public)
+
+    # -- what the method needs and releases ----------------------------------------------------
+    def needs(self) -> Needs:
+        return Needs()
+
+    def releases_of(self, client_id: int) -> list[str]:
+        """The declared uploads this client makes over the run (used to calibrate its noise)."""
+        return list(self.releases)
 
     # -- shared frozen parts, built once per host (client actor or server actor) --------------
     def build_env(self, spec: EnvSpec, *, role: str) -> Any:  # role: "client" | "server"
@@ -139,7 +191,7 @@ class Method:
     def init_shared(self, env: Any, rng: torch.Generator) -> dict[str, Tensor]:
         raise NotImplementedError
 
-    def aggregate(self, env: Any, shared: dict[str, Tensor], uploads: list[Upload], rng: torch.Generator) -> dict[str, Tensor]:
+    def aggregate(self, env: Any, shared: dict[str, Tensor], uploads: list[Upload], rng: torch.Generator) -> "dict[str, Tensor] | ServerResult":
         raise NotImplementedError
 
     # -- client half -------------------------------------------------------------------------

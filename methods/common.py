@@ -30,7 +30,6 @@ class ClipPromptMethod(Method):
     """Base of the CLIP prompt-tuning methods: clients see frozen image features, the env holds the
     frozen text tower and the CoOp prompts, and logits are s * <v(x), t_c> (SPEC 1.1)."""
 
-    input = "features"
     supports_ctx_init = False  # True for methods that learn one CoOp context (they start it from ctx_init)
 
     def build_env(self, spec: EnvSpec, *, role: str):

@@ -31,6 +31,7 @@ from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, LocalResult, Upload, register_method
 from raysim.methods.common import weighted_mean
 from raysim.methods.hetero import HeteroMethod, HtEnv
+from raysim.privacy.mechanisms import update
 from raysim.models.zoo import FAMILIES, HtModel, make_client_model
 from raysim.sampling import epoch_batches
 
@@ -175,8 +176,7 @@ class Options:
 class FedAvg(Homogeneous, HeteroMethod):
     name = "fedavg"
     Options = Options
-    uploads = ("weights",)
-    image_size = 32
+    releases = {"weights": update()}  # the whole trained model: private only as a user-level update (dp.level=client)
 
     def init_shared(self, env: HtEnv, rng: torch.Generator) -> dict[str, Tensor]:
         return {"weights": self.init_weights(env, rng)}

@@ -5,6 +5,8 @@ Client   L = CE(h_i(f_i(x)), y) + lambda * MSE(f_i(x), P_g[y]); a sample whose c
          means of f_i(x) and their counts.
 Server   P_g[c] = average of the uploaded class-c means over the clients that hold c, weighted by their
          class-c counts (SPEC 3.5 [decide]: renormalised over the holders) or uniformly.
+Uploads  the class means are a prototype release (the host noises them under local DP with
+         dp.prototypes, IGPP by default); the counts are public (the papers weight by them).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from torch import Tensor
 
 from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, LocalResult, register_method
-from raysim.methods.hetero import HeteroMethod, aggregate_prototypes, snapshot, stack_uploads
+from raysim.methods.hetero import COUNTS_NOTE, HeteroMethod, aggregate_prototypes, snapshot, stack_uploads
 from raysim.models.zoo import FAMILIES
+from raysim.privacy.mechanisms import prototype, public
 
 
 @dataclass
@@ -63,8 +66,7 @@ def proto_mse(feats: Tensor, y: Tensor, protos: Tensor, has: Tensor) -> Tensor:
 class FedProto(HeteroMethod):
     name = "fedproto"
     Options = Options
-    uploads = ("protos", "counts")
-    image_size = 32
+    releases = {"protos": prototype(), "counts": public(COUNTS_NOTE)}
 
     def init_shared(self, env, rng):
         return {"protos": torch.zeros(env.num_classes, env.feature_dim), "has": torch.zeros(env.num_classes)}
@@ -77,9 +79,8 @@ class FedProto(HeteroMethod):
             def extra(feats, y):
                 return self.opts.lam * proto_mse(feats, y, protos, has)
         loss = self.train_model(env, model, data, rng, extra, privacy)
-        means, counts = self.class_means(env, model, data)
         return LocalResult(
-            upload={"protos": means, "counts": counts},
+            upload=self.release_prototypes(env, model, data, privacy),
             private={**private, "model": snapshot(model)},
             num_samples=data.num_train,
             metrics={"loss": loss},

@@ -7,7 +7,9 @@ IEF   a private router pi(x) = softmax(W_gate MHA(u, v(x), v(x))) (Eq. 7) weight
       logits (Eq. 9); per-expert text features are cached at inference. router="pooled" (official code)
       attends over the one pooled feature v(x); router="patch" over the image tower's tokens (SPEC 1.3).
 Loss  l_i = CE_i + lambda_div L_div (Eq. 6) per sample; lambda_gate L_gate (Eq. 8) on the router only.
-DP    DP-SGD on A alone (Eq. 11); R and the router take the plain gradient.
+DP    DP-SGD on A alone (Eq. 11); R and the router take the plain gradient. L_div depends on A only,
+      which is public after each release; `div_outside_dp=true` adds its gradient after clipping and
+      noising (no privacy cost) instead of inside every clipped per-example gradient (the paper's Eq. 11).
 Server  expert-wise weighted average of A (Eq. 12).
 
 Variants (Table 4, Table 5): single (one full-dimensional shared prompt, no R, no router),
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from raysim.errors import ConfigError
-from raysim.methods.base import ClientData, LocalResult, register_method
+from raysim.methods.base import ClientData, LocalResult, Needs, register_method
 from raysim.methods.common import ClipPromptMethod, sgd, weighted_mean
 from raysim.models.fedsept_modules import (
     add_grads,
@@ -38,7 +40,7 @@ from raysim.models.fedsept_modules import (
     public_basis,
     seeded,
 )
-from raysim.sampling import batch_indices
+from raysim.privacy.mechanisms import dpsgd
 
 VARIANTS = ("full", "single", "full_meps", "wo_r", "top1", "uniform")
 
@@ -57,6 +59,7 @@ class FedSEPTOptions:
     fusion: str = "logit"  # logit (Eq. 9) | prompt (FedSEPT-PF)
     cache_text: bool = True  # False = FedSEPT-NC: expert text features recomputed for every batch
     basis_seed: int = 1  # public seed of B0
+    div_outside_dp: bool = False  # True: L_div's gradient added after DP-SGD's clipping and noise (it is data-independent)
 
     def validate(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -79,7 +82,8 @@ class FedSEPTOptions:
 class FedSEPT(ClipPromptMethod):
     name = "fedsept"
     Options = FedSEPTOptions
-    uploads = ("A",)
+    releases = {"A": dpsgd()}
+    client_metrics = ("loss", "ce", "div", "gate")
 
     # -- the variant as structure ----------------------------------------------------------
     @property
@@ -102,9 +106,8 @@ class FedSEPT(ClipPromptMethod):
     def patch_router(self) -> bool:
         return self.has_router and self.opts.router == "patch"
 
-    @property
-    def input(self) -> str:  # the patch router reads the frozen image tower's tokens as well
-        return "features+tokens" if self.patch_router else "features"
+    def needs(self) -> Needs:  # the patch router reads the frozen image tower's tokens as well
+        return Needs(input="features", tokens=self.patch_router)
 
     # -- frozen parts: the CLIP text side and the public basis -------------------------------
     def build_env(self, spec, *, role: str):
@@ -179,20 +182,28 @@ class FedSEPT(ClipPromptMethod):
         opt = sgd(groups, self.train)
         x, y = data.x_train.to(env.device), data.y_train.to(env.device)
         tok = data.tokens_train.to(env.device) if self.patch_router else None
-        losses = []
+        terms: dict[str, list[float]] = {"loss": [], "ce": [], "div": [], "gate": []}
         with seeded(rng):  # router dropout draws from a stream of this (round, client)
             for _ in range(self.train.local_epochs):
-                for idx in batch_indices(data.num_train, self.train.batch_size, rng):
+                for idx in privacy.batches(data.num_train, self.train.batch_size, rng):
                     logits, pi = self.forward(env, A, R, router, x[idx], tokens=None if tok is None else tok[idx])
                     ce = F.cross_entropy(logits, y[idx], reduction="none")
-                    loss = ce + o.lambda_div * diversity_loss(A, self.M, o.div_reduction)  # per sample, before clipping
-                    gate = o.lambda_gate * gate_loss(pi) if router_params and o.lambda_gate > 0 else None
+                    div = o.lambda_div * diversity_loss(A, self.M, o.div_reduction)
+                    if o.div_outside_dp:
+                        loss, public = ce, div  # added after clipping and noise: it is a function of A only
+                    else:
+                        loss, public = ce + div, None  # per sample, before clipping (Eq. 11)
+                    gate = o.lambda_gate * gate_loss(pi) if router_params and o.lambda_gate > 0 and len(idx) else None
                     gate_grads = grads_of(gate, router_params)  # the router's non-DP loss only
                     opt.zero_grad(set_to_none=True)
-                    privacy.backward(loss, dp_params=[A], other_params=params[1:] + router_params)  # Eq. 11
+                    privacy.backward(loss, dp_params={"A": A}, other_params=params[1:] + router_params, public_loss=public)
                     add_grads(router_params, gate_grads)
                     opt.step()
-                    losses.append(loss.mean().item())
+                    if len(idx):  # a Poisson batch may be empty (a noise-only step)
+                        terms["ce"].append(ce.mean().item())
+                        terms["div"].append(float(div))
+                        terms["gate"].append(float(gate) if gate is not None else 0.0)
+                        terms["loss"].append(terms["ce"][-1] + terms["div"][-1])
         new_private = dict(private)
         if R is not None:
             new_private["R"] = R.detach().cpu()
@@ -202,7 +213,7 @@ class FedSEPT(ClipPromptMethod):
             upload={"A": A.detach().cpu()},
             private=new_private,
             num_samples=data.num_train,
-            metrics={"loss": sum(losses) / max(1, len(losses))},
+            metrics={k: sum(v) / max(1, len(v)) for k, v in terms.items()},
         )
 
     def predictor(self, env, shared, private, data=None):

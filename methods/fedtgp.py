@@ -11,6 +11,7 @@ Server   Keeps a prototype generator G: class embedding (C x d) -> Linear(d, h) 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from raysim.errors import ConfigError
-from raysim.methods.base import register_method
+from raysim.methods.base import ServerResult, register_method
 from raysim.methods.fedproto import FedProto, ZooOptions, validate_common
 from raysim.methods.hetero import aggregate_prototypes, stack_uploads
 
@@ -66,8 +67,8 @@ def margin_loss(feats: Tensor, labels: Tensor, protos: Tensor, margin: float) ->
 class FedTGP(FedProto):
     name = "fedtgp"
     Options = Options
-    uploads = ("protos", "counts")
     server_only = ("gen",)  # the generator trains and stays on the server; clients get its prototypes
+    server_metrics = ("loss",)
 
     def _generator(self, env, shared=None, rng=None) -> PrototypeGenerator:
         with torch.random.fork_rng(devices=[]):
@@ -97,6 +98,7 @@ class FedTGP(FedProto):
         g.train()
         opt = torch.optim.SGD(g.parameters(), lr=self.opts.server_lr)
         bs = self.train.batch_size
+        loss = torch.tensor(math.nan)
         for _ in range(self.opts.server_epochs):
             perm = torch.randperm(len(labels), generator=rng).to(env.device)
             for i in range(0, len(labels), bs):
@@ -107,9 +109,9 @@ class FedTGP(FedProto):
                 opt.step()
         with torch.no_grad():
             out = g().cpu()
-        return {
+        return ServerResult({
             "protos": out,
             "has": ((shared["has"].cpu() > 0.5) | has).float(),
             "margin": torch.tensor([margin]),
             **{f"gen.{k}": v.detach().cpu() for k, v in g.state_dict().items()},
-        }
+        }, {"loss": float(loss.detach())})

@@ -12,12 +12,21 @@ Server   P^I_c = average over the clients that hold class c (Eq. 6 sample weight
          (the code's direction; "text_to_image" is the paper's Eq. 7, "symmetric" their mean);
          then recomputes P^T.
 
-Private variant (fedtsp.txt 3.5, `dp_epsilon` < inf): client `dp_client` embeds the descriptions with its
-own copy of the PLM's embedding layer, flattens all token embeddings, clips them to L2 radius C and adds
-N(0, sigma^2) (sigma = 2C sqrt(2 ln(1.25/delta)) / eps), and uploads that once; the release is recorded
-in the client's own ledger (private state). The server env is built from the class *count* only: no
-class name, description or token id reaches it. Until the release arrives (the end of the first round
-the client takes part in) P^T does not exist and clients train with CE alone.
+Private variant (fedtsp.txt 3.5, on whenever `dp.epsilon` < inf): client `dp_client` embeds the
+descriptions with its own copy of the PLM's embedding layer, every class padded to the same number k of
+descriptions and every sequence to the tower's fixed context length, and releases that tensor once
+through the host's `embedding` mechanism (flattened, clipped to L2 radius C = `dp_clip`, Gaussian noise of
+std 2C sigma, accounted in the client's ledger). Nothing else about the text leaves the client: the server
+derives the class of each row (k = rows / C, class order) and each sequence's end-of-text position (the
+position whose noised embedding is nearest the public end token's embedding) by post-processing. The
+server env is built from the class *count* only: no class name, description or token id reaches it. Under
+local DP every client's class means are a `prototype` release too (dp.prototypes, per-example clip
+dp.proto_clip), so the run's epsilon covers everything each client uploads. Until the release arrives (the
+end of the first round the dp client takes part in) P^T does not exist and clients train with CE alone.
+
+Uploads: `protos` (prototype release), `counts` (public: the per-class sample counts, which the paper's
+Eq. 6 weights use and the prototype mechanisms' replace-one-within-a-class relation keeps fixed),
+`text_emb` (embedding release, the dp client only).
 """
 
 from __future__ import annotations
@@ -31,9 +40,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from raysim.errors import ConfigError
-from raysim.methods.base import ClientData, EnvSpec, LocalResult, register_method
-from raysim.methods.hetero import HeteroMethod, HtEnv, aggregate_prototypes, snapshot, stack_uploads
+from raysim.methods.base import ClientData, EnvSpec, LocalResult, Needs, ServerResult, register_method
+from raysim.methods.hetero import COUNTS_NOTE, HeteroMethod, HtEnv, aggregate_prototypes, snapshot, stack_uploads
 from raysim.models.zoo import FAMILIES
+from raysim.privacy.mechanisms import embedding, prototype, public
 
 DIRECTIONS = ("image_to_text", "text_to_image", "symmetric")
 
@@ -58,9 +68,9 @@ class Options:
     train_logit_scale: bool = True
     init_logit_scale: float = 0.0  # s at start; 0 = the PLM's (CLIP's own logit_scale; ln 100 for BERT)
     bert_double_embedding: bool = False  # reproduce the official code's doubled BERT embeddings
-    dp_epsilon: float = math.inf  # < inf: the private variant of section 3.5
-    dp_delta: float = 1e-5
-    dp_clip: float = 2.5
+    dp_epsilon: float = math.inf  # replaced by dp.epsilon (refused with that name)
+    dp_delta: float = 1e-5  # replaced by dp.delta (refused with that name unless left at its default)
+    dp_clip: float = 2.5  # C, the L2 radius of the description-embedding release (private variant)
     dp_client: int = 0  # the client that embeds and releases the descriptions
 
     def validate(self) -> None:
@@ -76,8 +86,9 @@ class Options:
             (self.direction in DIRECTIONS, f"fedtsp.direction must be one of {', '.join(DIRECTIONS)}"),
             (self.proto_weighting in ("samples", "uniform"), "fedtsp.proto_weighting must be samples or uniform"),
             (self.missing_classes in ("subset", "skip"), "fedtsp.missing_classes must be subset or skip"),
-            (self.dp_epsilon > 0, "fedtsp.dp_epsilon must be > 0 (inf = no DP)"),
-            (0 < self.dp_delta < 1, "fedtsp.dp_delta must be in (0, 1)"),
+            (math.isinf(self.dp_epsilon) and self.dp_delta == 1e-5,
+             "fedtsp.dp_epsilon / fedtsp.dp_delta were replaced by dp.epsilon / dp.delta: the private variant "
+             "(fedtsp.txt 3.5) is on whenever dp.epsilon < inf, and its release is accounted in the host's ledger"),
             (self.dp_clip > 0, "fedtsp.dp_clip must be > 0"),
             (self.dp_client >= 0, "fedtsp.dp_client must be >= 0"),
         ]
@@ -85,9 +96,6 @@ class Options:
             if not ok:
                 raise ConfigError(msg)
 
-    @property
-    def private(self) -> bool:
-        return math.isfinite(self.dp_epsilon)
 
 
 def alignment_loss(img: Tensor, text: Tensor, logit_scale: Tensor, labels: Optional[Tensor] = None,
@@ -124,13 +132,21 @@ class TSPEnv(HtEnv):
 class FedTSP(HeteroMethod):
     name = "fedtsp"
     Options = Options
-    uploads = ("protos", "counts", "text_emb", "text_aux", "text_class")
-    image_size = 32
-    server_only = ("prompts",)  # trainable prompt vectors live on the server; clients get text prototypes
+    releases = {"protos": prototype(), "counts": public(COUNTS_NOTE), "text_emb": embedding()}
+    # trainable prompt vectors and the received description release live on the server; clients get P^T
+    server_only = ("prompts", "text_release")
+    server_metrics = ("loss",)
 
     @property
-    def server_needs_classnames(self) -> bool:
-        return not self.opts.private
+    def private(self) -> bool:
+        return self.dp.enabled
+
+    def needs(self) -> Needs:
+        return Needs(input="images", image_size=32, server_classnames=not self.private)
+
+    def releases_of(self, client_id: int) -> list[str]:
+        dp_client = self.private and client_id == self.opts.dp_client
+        return ["protos", "counts"] + (["text_emb"] if dp_client else [])
 
     # -- env ---------------------------------------------------------------------------------
     def _load_plm(self, env: TSPEnv):
@@ -149,7 +165,7 @@ class FedTSP(HeteroMethod):
         from raysim.models.plm import TextPrototypes, plm_output_dim
 
         d_plm = plm_output_dim(self.opts.plm, model=spec.model.model, path=self.opts.plm_path)
-        if self.opts.private and self.opts.dp_client >= self.train.num_clients:
+        if self.private and self.opts.dp_client >= self.train.num_clients:
             raise ConfigError(f"fedtsp.dp_client={self.opts.dp_client} is not a client (num_clients={self.train.num_clients})")
         d = self.opts.feature_dim or d_plm
         if d != d_plm:
@@ -162,7 +178,7 @@ class FedTSP(HeteroMethod):
         env.plm = self._load_plm(env)
         env.width = env.plm.width
         env.init_logit_scale = self.opts.init_logit_scale or env.plm.init_logit_scale
-        if not self.opts.private:  # Step 0 on the server
+        if not self.private:  # Step 0 on the server
             env.classnames = list(spec.classnames)
             env.text = TextPrototypes.from_texts(env.plm, self._prompt_texts(env))
         return env
@@ -171,40 +187,27 @@ class FedTSP(HeteroMethod):
     def init_shared(self, env: TSPEnv, rng: torch.Generator) -> dict[str, Tensor]:
         C, m = env.num_classes, self.opts.len_prompt
         prompts = torch.randn(C, m, env.width, generator=rng) * 0.02
-        s = torch.tensor([env.init_logit_scale])
-        ready = env.text is not None
-        text = self.text_prototypes(env, prompts) if ready else torch.zeros(C, env.feature_dim)
-        return {
-            "text_protos": text,
-            "logit_scale": s,
-            "prompts": prompts,
-            "text_ready": torch.tensor([float(ready)]),
-            "text_request": torch.tensor([float(not ready)]),
-            "server_loss": torch.tensor([math.nan]),
-        }
+        state = {"logit_scale": torch.tensor([env.init_logit_scale]), "prompts": prompts}
+        if env.text is not None:  # P^T exists from the start unless the text comes from a client's release
+            state["text_protos"] = self.text_prototypes(env, prompts)
+        return state
 
     @torch.no_grad()
     def text_prototypes(self, env: TSPEnv, prompts: Tensor) -> Tensor:
         return env.text(prompts.to(env.device)).cpu()
 
     def aggregate(self, env: TSPEnv, shared, uploads, rng):
-        self.receive_release(env, uploads)
+        state = self.receive_release(env, shared, uploads)
         protos, counts = stack_uploads(uploads)
         img, has = aggregate_prototypes(protos, counts, self.opts.proto_weighting)
         prompts, s, loss = shared["prompts"].cpu(), shared["logit_scale"].cpu(), math.nan
-        if env.text is None:  # private variant before the release (or after a resume): keep P^T, ask again
-            return {**shared, "text_request": torch.tensor([1.0]), "server_loss": torch.tensor([math.nan])}
+        if env.text is None:  # private variant before the release: no P^T yet
+            return ServerResult(state, {"loss": math.nan})
         train = self.opts.len_prompt > 0 and self.opts.prompt_epochs > 0 and bool(has.any())
         if train and (bool(has.all()) or self.opts.missing_classes == "subset"):
             prompts, s, loss = self.train_prompts(env, prompts, s, img, has)
-        return {
-            "text_protos": self.text_prototypes(env, prompts),
-            "logit_scale": s,
-            "prompts": prompts,
-            "text_ready": torch.tensor([1.0]),
-            "text_request": torch.tensor([0.0]),
-            "server_loss": torch.tensor([loss]),
-        }
+        state.update(text_protos=self.text_prototypes(env, prompts), logit_scale=s, prompts=prompts)
+        return ServerResult(state, {"loss": loss})
 
     def train_prompts(self, env: TSPEnv, prompts: Tensor, s: Tensor, img: Tensor, has: Tensor):
         """E_s full-batch SGD steps on the prompt vectors and s (two plain-SGD optimisers, fresh each round)."""
@@ -226,24 +229,25 @@ class FedTSP(HeteroMethod):
                 o.step()
         return v.detach().cpu(), ls.detach().cpu(), float(loss.detach())
 
-    def receive_release(self, env: TSPEnv, uploads) -> None:
-        """Private variant: build the text side from the first DP-released embeddings the server receives."""
+    def receive_release(self, env: TSPEnv, shared, uploads) -> dict[str, Tensor]:
+        """Private variant: build the text side from the DP-released description embeddings, kept in the
+        server-only state (so a restarted server rebuilds it without asking the client again)."""
         from raysim.models.plm import TextPrototypes
 
-        if env.text is not None:
-            return
-        for u in uploads:
-            if "text_emb" in u.tensors:
-                t = u.tensors
-                env.text = TextPrototypes(env.plm, t["text_emb"].to(env.device), t["text_aux"].to(env.device),
-                                          t["text_class"].to(env.device), env.num_classes)
-                return
+        state = dict(shared)
+        if "text_release" not in state:
+            first = next((u for u in uploads if "text_emb" in u.tensors), None)
+            if first is not None:
+                state["text_release"] = first.tensors["text_emb"].float()
+        if env.text is None and "text_release" in state:
+            env.text = TextPrototypes.from_release(env.plm, state["text_release"].to(env.device), env.num_classes)
+        return state
 
     # -- client half -------------------------------------------------------------------------
     def local_train(self, env: TSPEnv, shared, private, data: ClientData, *, rng, privacy) -> LocalResult:
         model = self.model(env, private)
         extra = None
-        if float(shared["text_ready"]) > 0.5 and self.opts.lam > 0:
+        if "text_protos" in shared and self.opts.lam > 0:
             text = F.normalize(shared["text_protos"].to(env.device).float(), dim=-1)
             scale = shared["logit_scale"].to(env.device).float().exp()
 
@@ -251,31 +255,17 @@ class FedTSP(HeteroMethod):
                 return self.opts.lam * F.cross_entropy(scale * F.normalize(feats, dim=-1) @ text.t(), y)
 
         loss = self.train_model(env, model, data, rng, extra, privacy)
-        protos, counts = self.class_means(env, model, data)
-        upload = {"protos": protos, "counts": counts}
+        upload = self.release_prototypes(env, model, data, privacy)
         private = {**private, "model": snapshot(model), "rounds": int(private.get("rounds", 0)) + 1}
-        metrics = {"loss": loss}
-        if self.opts.private and data.client_id == self.opts.dp_client and float(shared["text_request"]) > 0.5:
-            if "text_release" not in private:
-                private["text_release"], private["ledger"] = self.release_descriptions(env, rng, private["rounds"] - 1)
-            upload.update(private["text_release"])  # a re-send after a server restart is post-processing: free
-            metrics["text_release_epsilon"] = float(self.opts.dp_epsilon)
-        return LocalResult(upload=upload, private=private, num_samples=data.num_train, metrics=metrics)
+        if self.private and data.client_id == self.opts.dp_client and "text_protos" not in shared:
+            upload["text_emb"] = privacy.release("text_emb", lambda: self.embed_descriptions(env), clip=self.opts.dp_clip)
+        return LocalResult(upload=upload, private=private, num_samples=data.num_train, metrics={"loss": loss})
 
-    def release_descriptions(self, env: TSPEnv, rng: torch.Generator, round_idx: int):
-        """The selected client's Step 0 (fedtsp.txt 3.5): E = g_0(prompts), released once as
-        Clip_C(vec(E)) + N(0, sigma^2 I); recorded as one (epsilon, delta) release in its ledger."""
-        from raysim.privacy import PrivacyLedger, embedding_ledger_release, release_embeddings
-
+    def embed_descriptions(self, env: TSPEnv) -> Tensor:
+        """The dp client's Step 0 (fedtsp.txt 3.5): E = g_0(prompts), every class with the same number of
+        descriptions (cycled) and every sequence at the PLM's fixed length, so the shape says nothing."""
         plm = self._load_plm(env)
         per_class = self._prompt_texts(env)
-        texts = [t for ts in per_class for t in ts]
-        index = torch.tensor([c for c, ts in enumerate(per_class) for _ in ts])
-        emb, aux = plm.embed(texts)
-        noisy = release_embeddings(emb.float().cpu(), clip=self.opts.dp_clip, epsilon=self.opts.dp_epsilon,
-                                   delta=self.opts.dp_delta, generator=rng)
-        ledger = PrivacyLedger(self.opts.dp_epsilon, self.opts.dp_delta)
-        release = embedding_ledger_release(epsilon=self.opts.dp_epsilon, round=round_idx)
-        ledger.check(release)
-        ledger.record(release)
-        return {"text_emb": noisy, "text_aux": aux.cpu(), "text_class": index}, ledger.to_dict()
+        k = max(len(ts) for ts in per_class)
+        texts = [ts[i % len(ts)] for ts in per_class for i in range(k)]
+        return plm.embed_fixed(texts).float().cpu()

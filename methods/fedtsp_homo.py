@@ -31,6 +31,7 @@ from raysim.methods import fedtsp
 from raysim.methods.base import ClientData, LocalResult, register_method
 from raysim.methods.fedavg import Homogeneous, flatten_state, validate_homogeneous
 from raysim.methods.fedtsp import FedTSP, TSPEnv
+from raysim.privacy.mechanisms import update
 
 
 @dataclass
@@ -48,7 +49,7 @@ class Options(fedtsp.Options):
 class FedTSPGFL(Homogeneous, FedTSP):
     name = "fedtsp_gfl"
     Options = Options
-    uploads = FedTSP.uploads + ("weights",)
+    releases = {**FedTSP.releases, "weights": update()}
 
     # -- server half: FedTSP's, plus FedAvg of the model -----------------------------------------
     def init_shared(self, env: TSPEnv, rng: torch.Generator) -> dict[str, Tensor]:
@@ -57,7 +58,8 @@ class FedTSPGFL(Homogeneous, FedTSP):
 
     def aggregate(self, env: TSPEnv, shared, uploads, rng):
         new = super().aggregate(env, shared, uploads, rng)
-        return {**new, "weights": self.aggregate_weights(uploads)}
+        new.state["weights"] = self.aggregate_weights(uploads)
+        return new
 
     # -- client half: FedTSP's, on the global model --------------------------------------------
     def local_train(self, env: TSPEnv, shared, private, data: ClientData, *, rng, privacy) -> LocalResult:

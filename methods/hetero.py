@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from raysim.errors import ConfigError
-from raysim.methods.base import ClientData, EnvSpec, Method, Upload
+from raysim.methods.base import ClientData, EnvSpec, Method, Needs, Upload
 from raysim.models.zoo import HtModel, arch_of, make_client_model
 from raysim.sampling import epoch_batches
 
@@ -27,6 +27,12 @@ class HtEnv:
     feature_dim: int
     models: dict[int, HtModel] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+COUNTS_NOTE = (
+    "per-class sample counts: public in the papers (the server's prototype weights use them), and held fixed "
+    "by the prototype mechanisms' neighbouring relation (replace one example by another of its class)"
+)
 
 
 def aggregate_prototypes(protos: Tensor, counts: Tensor, weighting: str = "samples") -> tuple[Tensor, Tensor]:
@@ -49,8 +55,10 @@ def stack_uploads(uploads: list[Upload], key: str = "protos") -> tuple[Tensor, T
 class HeteroMethod(Method):
     """Base of methods that train a client-owned model of the zoo on raw images."""
 
-    input = "images"
-    image_size = 32
+    image_size = 32  # the zoo's input size
+
+    def needs(self) -> Needs:
+        return Needs(input="images", image_size=self.image_size)
 
     # -- env -------------------------------------------------------------------------------
     def feature_dim(self, spec: EnvSpec) -> int:
@@ -88,8 +96,6 @@ class HeteroMethod(Method):
         round; drop_last batches, in the data's order (the official loaders) or shuffled (`shuffle`)."""
         model.train()
         opt = torch.optim.SGD(model.parameters(), lr=self.opts.client_lr)
-        if privacy is not None and getattr(privacy, "enabled", False):
-            raise ConfigError(f"{self.name} does not run DP-SGD on client models: leave dp.epsilon=inf")
         n, bs = data.num_train, self.train.batch_size
         losses = []
         for _ in range(self.train.local_epochs):
@@ -108,16 +114,18 @@ class HeteroMethod(Method):
         return sum(losses) / max(1, len(losses))
 
     @torch.no_grad()
-    def class_means(self, env: HtEnv, model: HtModel, data: ClientData, batch: int = 256) -> tuple[Tensor, Tensor]:
-        """(C, d) mean of f(x) per class over the client's training set (eval mode), and (C,) counts."""
+    def train_features(self, env: HtEnv, model: HtModel, data: ClientData, batch: int = 256) -> Tensor:
+        """(N, d) features f(x) of the client's training set (eval mode)."""
         model.eval()
-        C = data.num_classes
-        sums = torch.zeros(C, env.feature_dim)
-        for i in range(0, data.num_train, batch):
-            f = model.features(data.x_train[i : i + batch].to(env.device)).float().cpu()
-            sums.index_add_(0, data.y_train[i : i + batch], f)
-        counts = torch.bincount(data.y_train, minlength=C).float()
-        return sums / counts.clamp_min(1)[:, None], counts
+        return torch.cat([model.features(data.x_train[i : i + batch].to(env.device)).float().cpu()
+                          for i in range(0, data.num_train, batch)])
+
+    def release_prototypes(self, env: HtEnv, model: HtModel, data: ClientData, privacy: Any) -> dict[str, Tensor]:
+        """The upload {protos: (C, d) class means of f(x), counts: (C,)}: the means are a prototype release
+        the host makes (noised under local DP by dp.prototypes), the counts are public."""
+        feats = self.train_features(env, model, data)
+        protos = privacy.release("protos", features=feats, labels=data.y_train, num_classes=data.num_classes)
+        return {"protos": protos, "counts": torch.bincount(data.y_train, minlength=data.num_classes).float()}
 
     def predictor(self, env: HtEnv, shared: dict[str, Tensor], private: dict[str, Any], data: Optional[ClientData] = None):
         """Logits of the client's own head (the cache holds one module per client, so it is not shared)."""

@@ -11,13 +11,13 @@ import torch.nn.functional as F
 
 from raysim.methods.base import ClientData, LocalResult, register_method
 from raysim.methods.common import ClipPromptMethod, sgd, weighted_mean
-from raysim.sampling import batch_indices
+from raysim.privacy.mechanisms import dpsgd
 
 
 @register_method
 class PromptFL(ClipPromptMethod):
     name = "promptfl"
-    uploads = ("ctx",)
+    releases = {"ctx": dpsgd()}
     supports_ctx_init = True
 
     def init_shared(self, env, rng):
@@ -29,13 +29,14 @@ class PromptFL(ClipPromptMethod):
         x, y = data.x_train.to(env.device), data.y_train.to(env.device)
         losses = []
         for _ in range(self.train.local_epochs):
-            for idx in batch_indices(data.num_train, self.train.batch_size, rng):
+            for idx in privacy.batches(data.num_train, self.train.batch_size, rng):
                 text = env.prompts.text_features(ctx)
                 loss = F.cross_entropy(self.logits(env, x[idx], text), y[idx], reduction="none")
                 opt.zero_grad(set_to_none=True)
-                privacy.backward(loss, dp_params=[ctx])
+                privacy.backward(loss, dp_params={"ctx": ctx})
                 opt.step()
-                losses.append(loss.mean().item())
+                if len(idx):  # a Poisson batch may be empty (a noise-only step)
+                    losses.append(loss.mean().item())
         return LocalResult(
             upload={"ctx": ctx.detach().cpu()},
             private=private,

@@ -21,7 +21,8 @@ class ZeroShotOptions:
 class ZeroShot(ClipPromptMethod):
     name = "zeroshot"
     Options = ZeroShotOptions
-    uploads = ()
+    releases = {}  # nothing leaves a client
+    client_metrics = ()
 
     def init_shared(self, env, rng):
         return {}

@@ -199,3 +199,47 @@ def gaussian_rdp_sigma(*, epsilon: float, delta: float, releases: int) -> float:
         else:
             lo = mid
     return hi
+
+
+def calibrate_multiplier(
+    *, epsilon: float, delta: float, plan: Sequence[tuple[float, int]], pure: float = 0.0, accountant: str = "rdp"
+) -> float:
+    """One noise multiplier sigma (relative to each mechanism's sensitivity) for a client whose run costs
+    the Gaussian compositions `plan` = [(sample_rate, steps), ...] plus a pure-DP part `pure`, so that the
+    whole composes to (epsilon, delta) through `accountant`, the ledger's own (one conversion everywhere).
+    A single (q, steps) entry is Opacus' `get_noise_multiplier` exactly; several are bisected the same way
+    (the result's epsilon lies in [target - EPSILON_TOLERANCE, target])."""
+    accountant = _check_accountant(accountant)
+    epsilon = _check_epsilon(epsilon)
+    if math.isinf(epsilon):
+        return 0.0
+    merged: dict[float, int] = {}
+    for q, steps in plan:
+        if int(steps) > 0:
+            merged[float(q)] = merged.get(float(q), 0) + int(steps)
+    target = epsilon - float(pure)
+    if target <= 0:
+        raise ConfigError(f"the pure-DP part of the releases ({pure:g}) uses the whole epsilon={epsilon:g}; raise epsilon")
+    if not merged:
+        return 0.0
+    if len(merged) == 1:
+        (q, steps), = merged.items()
+        return noise_multiplier(epsilon=target, delta=delta, sample_rate=q, steps=steps, accountant=accountant)
+
+    def eps_at(sigma: float) -> float:
+        return epsilon_spent([(sigma, q, n) for q, n in merged.items()], delta=delta, accountant=accountant)
+
+    lo, hi = 0.0, 10.0
+    while eps_at(hi) > target:
+        hi *= 2
+        if hi > 1e6:
+            raise ConfigError(f"cannot reach epsilon={epsilon} at delta={delta} with these releases; raise epsilon or delta")
+    while True:
+        mid = 0.5 * (lo + hi)
+        eps = eps_at(mid)
+        if eps > target:
+            lo = mid
+        else:
+            hi = mid
+            if eps >= target - EPSILON_TOLERANCE:
+                return hi

@@ -105,8 +105,41 @@ def _plain_grads(loss: Tensor, params: Sequence[Tensor]) -> None:
     _set_grads(params, gs)
 
 
-class DPSGD:
-    """The DP-SGD privacy handle (implements `methods.base.PrivacyHandle`)."""
+def _named(params) -> dict[str, Tensor]:
+    """dp_params as {upload name: tensor}; a plain sequence gets positional names (then the host cannot
+    match them to uploads and refuses a DP-SGD upload)."""
+    if isinstance(params, dict):
+        return dict(params)
+    return {f"#{i}": p for i, p in enumerate(params)}
+
+
+class _Standalone:
+    """What a handle used on its own (unit tests, benchmarks that call `local_train` directly) offers
+    besides `backward`: shuffled fixed-size batches, and releases without noise (clean class means, the
+    tensor itself). Inside a run the host's RoundPrivacy (privacy/host.py) provides these instead."""
+
+    def batches(self, n: int, batch_size: int, rng: torch.Generator):
+        from raysim.sampling import batch_indices
+
+        return batch_indices(n, batch_size, rng)
+
+    def release(self, name: str, value=None, *, features: Tensor | None = None, labels: Tensor | None = None,
+                num_classes: int = 0, clip: float = 0.0) -> Tensor:
+        if features is not None:
+            features, labels = features.detach().float().cpu(), labels.detach().long().cpu()
+            sums = torch.zeros(num_classes, features.shape[1]).index_add_(0, labels, features)
+            return sums / torch.bincount(labels, minlength=num_classes).float().clamp_min(1)[:, None]
+        return (value() if callable(value) else value).detach().float().cpu().clone()
+
+
+class DPSGD(_Standalone):
+    """The DP-SGD step (implements the `backward` of `methods.base.PrivacyHandle`).
+
+    `expected_batch`: with Poisson sampling the clipped sum is divided by the expected batch size q*n (as
+    Opacus does), so the step does not depend on the realised batch size; None divides by the actual
+    batch size (fixed-size shuffled batches, the papers' code). `public_loss` is a data-independent term
+    (a function of tensors that are already public): its plain gradient is added after clipping and
+    noising, at no privacy cost."""
 
     enabled = True
 
@@ -119,6 +152,7 @@ class DPSGD:
         generator: torch.Generator,
         microbatch: int = 8,
         on_step: Callable[[], None] | None = None,
+        expected_batch: float | None = None,
     ) -> None:
         if not (sigma >= 0 and math.isfinite(sigma)):
             raise ConfigError(f"noise multiplier must be a finite number >= 0, got {sigma}")
@@ -134,30 +168,45 @@ class DPSGD:
         self.generator = generator
         self.microbatch = int(microbatch)
         self.on_step = on_step
+        self.expected_batch = expected_batch
         self.steps = 0
+        self.trained: dict[str, Tensor] = {}  # upload name -> the tensor the DP steps wrote (the host checks uploads)
+        self.names_each_step: list[frozenset[str]] = []
 
-    def backward(self, per_sample_loss: Tensor, dp_params: Sequence[Tensor], other_params: Sequence[Tensor] = ()) -> None:
-        dp_params = list(dp_params)
+    def backward(self, per_sample_loss: Tensor, dp_params, other_params: Sequence[Tensor] = (), public_loss: Tensor | None = None) -> None:
+        named = _named(dp_params)
+        dp_list = list(named.values())
         b = int(per_sample_loss.shape[0])
-        if b == 0:
+        if b == 0 and self.expected_batch is None:
             raise ValueError("DP-SGD step on an empty batch")
-        if dp_params:
-            grads = per_sample_grads(per_sample_loss, dp_params, microbatch=self.microbatch)
+        denom = float(self.expected_batch) if self.expected_batch is not None else float(b)
+        public_grads = None
+        if public_loss is not None and dp_list:
+            public_grads = torch.autograd.grad(public_loss, dp_list, retain_graph=True, allow_unused=True)
+        if dp_list:
+            grads = per_sample_grads(per_sample_loss, dp_list, microbatch=self.microbatch)
             grads = clip_per_sample(grads, self.clip)
             std = self.sigma * self.clip
-            for p, g in zip(dp_params, grads):
+            for j, (p, g) in enumerate(zip(dp_list, grads)):
                 total = g.sum(dim=0)
                 if std > 0:
                     total = total + gaussian_noise_like(total, std, self.generator)
-                p.grad = (total / b).detach().to(p.dtype)
-        _plain_grads(per_sample_loss.mean(), other_params)
+                total = total / denom
+                if public_grads is not None and public_grads[j] is not None:
+                    total = total + public_grads[j].detach()
+                p.grad = total.detach().to(p.dtype)
+        if b > 0:
+            _plain_grads(per_sample_loss.mean(), other_params)
+        self.trained.update(named)
+        self.names_each_step.append(frozenset(named))
         self.steps += 1
         if self.on_step is not None:
             self.on_step()
 
 
-class NoDP:
-    """The handle when DP is off: plain gradients of the mean loss for every tensor, `.grad` overwritten."""
+class NoDP(_Standalone):
+    """The handle when DP is off: plain gradients of the mean loss (plus `public_loss`) for every tensor,
+    `.grad` overwritten."""
 
     enabled = False
 
@@ -165,8 +214,11 @@ class NoDP:
         self.on_step = on_step
         self.steps = 0
 
-    def backward(self, per_sample_loss: Tensor, dp_params: Sequence[Tensor], other_params: Sequence[Tensor] = ()) -> None:
-        _plain_grads(per_sample_loss.mean(), list(dp_params) + list(other_params))
+    def backward(self, per_sample_loss: Tensor, dp_params, other_params: Sequence[Tensor] = (), public_loss: Tensor | None = None) -> None:
+        loss = per_sample_loss.mean()
+        if public_loss is not None:
+            loss = loss + public_loss
+        _plain_grads(loss, list(_named(dp_params).values()) + list(other_params))
         self.steps += 1
         if self.on_step is not None:
             self.on_step()

@@ -62,6 +62,9 @@ class Release:
     steps: int
     round: int
     epsilon: float | None = None
+    # how the DP-SGD batches were drawn: "poisson" (what the accountant assumes) or "shuffle" (the papers'
+    # code: fixed-size shuffled batches, accounted as if Poisson); "" for releases without sampling
+    sampling: str = ""
 
 
 class PrivacyLedger:

@@ -222,12 +222,14 @@ def vpp_release(
     centres: str = "mean",
     assignments: Tensor | None = None,
     num_classes: int | None = None,
+    sigma_ref: float | None = None,
 ) -> dict[str, Any]:
     """One round of VPP for one client (SPEC 3.2 steps 2-7).
 
     epsilon is the client's total budget over `rounds` rounds: epsilon1 = r_split * epsilon goes to
     the Laplace top-k partition, epsilon2 = (1 - r_split) * epsilon to the Gaussian release (sigma_ref
-    by `gaussian_rdp_sigma`). rho is clamped to at most 0.5 as in the code. `centres` is "mean" (class
+    by `gaussian_rdp_sigma`, the VPDR code's calibration, unless the host passes `sigma_ref` calibrated by
+    the ledger's accountant). rho is clamped to at most 0.5 as in the code. `centres` is "mean" (class
     means) or "cluster" (centres from `assignments`, per-example cluster ids within the class).
 
     Returns a dict: prototypes (class -> (d,) or (K_c, d)), counts (class -> (K_c,) member counts),
@@ -258,7 +260,8 @@ def vpp_release(
     scores = discriminativeness_scores(features, labels, num_classes)
     idx_A, idx_B = private_topk_partition(scores, k=k, H=H, epsilon1=eps1, rounds=rounds, generator=generator)
     clipped = group_clip(features, idx_A, idx_B, R)
-    sigma_ref = gaussian_rdp_sigma(epsilon=eps2, delta=delta, releases=rounds)
+    if sigma_ref is None:
+        sigma_ref = gaussian_rdp_sigma(epsilon=eps2, delta=delta, releases=rounds)
     sigma_A, sigma_B = vpp_sigmas(sigma_ref, d, k) if sigma_ref > 0 else (0.0, 0.0)
     kA, kB = group_kappas(d, k)
 

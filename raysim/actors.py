@@ -3,9 +3,10 @@
 They are plain Python classes. The Ray backend wraps them with `ray.remote` (ClientActor, ServerActor);
 the inline backend calls them directly, so both backends run exactly the same code.
 
-A ClientHost holds the method's frozen parts once, and per client: the data slice, the private state,
-the calibrated noise multiplier and the privacy ledger. Private state leaves the host only into the
-client's own checkpoint. What a client uploads is checked against the method's declared `uploads`.
+A ClientHost holds the method's frozen parts once, and per client: the data slice and the private state;
+its `HostPrivacy` (privacy/host.py) holds each client's calibrated noise and ledger and checks every upload
+against the method's declared releases. Private state leaves the host only into the client's own
+checkpoint; metrics go to the driver, never to the server.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from raysim.config import RunConfig
 from raysim.errors import UploadViolation
 from raysim.methods import ClientData, EnvSpec, Method, TrainConfig, Upload, get_method
+from raysim.methods.base import ServerResult
 from raysim.sampling import generator, schedule
 from raysim.store import StateStore
 
@@ -82,7 +84,7 @@ def make_method(cfg: RunConfig) -> Method:
         num_clients=cfg.num_clients,
         seed=cfg.seed,
     )
-    return cls(train, cfg.method_options())
+    return cls(train, cfg.method_options(), cfg.dp)
 
 
 def env_spec(cfg: RunConfig, classnames: list[str]) -> EnvSpec:
@@ -114,7 +116,8 @@ def _as_tensor(a: np.ndarray) -> torch.Tensor:
 
 
 def check_upload(method: Method, client_id: int, upload: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Only tensors the method declares as shared may leave a client."""
+    """Only tensors the method declares as shared reach the server (the client host checked them, with
+    their releases, in privacy/host.py; the server checks the names again)."""
     allowed = set(method.uploads)
     extra = sorted(set(upload) - allowed)
     if extra:
@@ -156,19 +159,17 @@ class ClientHost:
         self.eval_owner = self.test_owner[used]
         self.store = StateStore(out_dir)
         self.private: dict[int, dict[str, Any]] = {}
-        self.ledgers: dict[int, Any] = {}
-        self.sigmas: dict[int, float] = {}
         self.dirty: set[int] = set()
         self.participation = self._participation_counts()
+        from raysim.privacy.host import HostPrivacy
+
+        self.privacy = HostPrivacy(dp=cfg.dp, method=self.method, seed=cfg.seed, batch_size=cfg.batch_size,
+                                   releases_per_client=self._rounds_for_calibration)
         for cid in self.clients:
             saved = self.store.load_client(cid, resume_round) if resume_round >= 0 else None
             if saved is not None:
                 self.private[cid] = saved["private"]
-                self.sigmas[cid] = saved.get("sigma", 0.0)
-                if saved.get("ledger") is not None:
-                    from raysim.privacy.ledger import PrivacyLedger
-
-                    self.ledgers[cid] = PrivacyLedger.from_dict(saved["ledger"])
+                self.privacy.load(cid, saved.get("privacy"))
 
     def _participation_counts(self) -> dict[int, int]:
         sched = schedule(self.cfg.seed, self.cfg.rounds, self.cfg.num_clients, self.cfg.participation)
@@ -185,92 +186,18 @@ class ClientHost:
             self.private[cid] = initial_private(self.method, self.env, self.data[cid], self.cfg.seed)
         return self.private[cid]
 
-    def _ledger(self, cid: int):
-        from raysim.privacy.ledger import PrivacyLedger
-
-        dp = self.cfg.dp
-        return self.ledgers.setdefault(cid, PrivacyLedger(dp.epsilon, dp.delta, dp.accountant))
-
     def _rounds_for_calibration(self, cid: int) -> int:
         return self.participation[cid] if self.cfg.dp.calibration == "participated" else self.cfg.rounds
 
-    def _privacy(self, cid: int, round_idx: int):
-        """The DP-SGD handle of this (round, client): calibrate sigma once, check the budget, count steps."""
-        from raysim.privacy.accountant import noise_multiplier
-        from raysim.privacy.dpsgd import DPSGD, NoDP
-        from raysim.privacy.ledger import Release
-
-        dp = self.cfg.dp
-        if not dp.enabled or dp.level != "sample":
-            return NoDP(), None
-        n = self.data[cid].num_train
-        q = min(1.0, self.cfg.batch_size / n)
-        steps = self.method.dp_steps_per_round(n)
-        if cid not in self.sigmas:
-            self.sigmas[cid] = noise_multiplier(
-                epsilon=dp.epsilon, delta=dp.delta, sample_rate=q,
-                steps=max(1, self._rounds_for_calibration(cid) * steps), accountant=dp.accountant,
-            )
-        ledger = self._ledger(cid)
-        ledger.check(Release("dpsgd", self.sigmas[cid], q, steps, round_idx))
-        counter = {"steps": 0}
-
-        def on_step() -> None:
-            counter["steps"] += 1
-
-        handle = DPSGD(
-            sigma=self.sigmas[cid],
-            clip=dp.clip,
-            sample_rate=q,
-            generator=generator(self.cfg.seed, "dp-noise", round_idx, cid),
-            microbatch=dp.microbatch,
-            on_step=on_step,
-        )
-
-        def finish() -> None:
-            ledger.record(Release("dpsgd", self.sigmas[cid], q, counter["steps"], round_idx))
-
-        return handle, finish
-
-    def _client_level(self, cid: int, round_idx: int, upload: dict[str, torch.Tensor], shared: dict[str, torch.Tensor]):
-        """User-level LDP (dp.level=client): the update (upload - shared) is clipped to dp.clip as a whole
-        and noised before it leaves the client; one Gaussian release per participation, no sampling
-        amplification (the server, who samples, is the adversary)."""
-        from raysim.errors import ConfigError
-        from raysim.privacy.client_level import client_level_release, client_level_sigma, noise_update
-
-        dp = self.cfg.dp
-        if not (dp.enabled and dp.level == "client"):
-            return upload
-        bad = [k for k, v in upload.items() if k not in shared or shared[k].shape != v.shape]
-        if bad:
-            raise ConfigError(
-                f"dp.level=client privatises updates of the shared state, but {self.method.name} uploads {bad}, "
-                "which are not updates of it; use dp.level=sample"
-            )
-        if cid not in self.sigmas:
-            self.sigmas[cid] = client_level_sigma(
-                epsilon=dp.epsilon, delta=dp.delta, participation=1.0,
-                rounds=max(1, self._rounds_for_calibration(cid)), accountant=dp.accountant,
-            )
-        release = client_level_release(self.sigmas[cid], participation=1.0, round=round_idx)
-        ledger = self._ledger(cid)
-        ledger.check(release)
-        delta = {k: v.detach().cpu() - shared[k].detach().cpu() for k, v in upload.items()}
-        noisy = noise_update(delta, clip=dp.clip, sigma=self.sigmas[cid], generator=generator(self.cfg.seed, "dp-update", round_idx, cid))
-        ledger.record(release)
-        return {k: shared[k].detach().cpu() + noisy[k] for k in upload}
-
     def epsilon(self, cid: int) -> float:
-        ledger = self.ledgers.get(cid)
-        return float(ledger.epsilon()) if ledger is not None else (0.0 if self.cfg.dp.enabled else math.inf)
+        return self.privacy.epsilon(cid)
 
     # -- one round --------------------------------------------------------------------------
     def train(self, round_idx: int, client_ids: list[int], shared: dict[str, torch.Tensor]) -> tuple[list[Upload], list[ClientReport]]:
         uploads, reports = [], []
         shared = {k: v.to(self.device) for k, v in shared.items()}
         for cid in sorted(client_ids):
-            privacy, finish = self._privacy(cid, round_idx)
+            privacy = self.privacy.open(cid, round_idx, self.data[cid].num_train, shared)
             result = self.method.local_train(
                 self.env,
                 shared,
@@ -279,12 +206,10 @@ class ClientHost:
                 rng=generator(self.cfg.seed, "train", round_idx, cid),
                 privacy=privacy,
             )
-            if finish is not None:
-                finish()
-            tensors = self._client_level(cid, round_idx, check_upload(self.method, cid, result.upload), shared)
+            tensors = privacy.close(result.upload)  # checked against the declared releases, privatised, accounted
             self.private[cid] = result.private
             self.dirty.add(cid)
-            up = Upload(cid, tensors, int(result.num_samples), dict(result.metrics))
+            up = Upload(cid, tensors, int(result.num_samples))
             uploads.append(up)
             reports.append(
                 ClientReport(cid, float(result.metrics.get("loss", math.nan)), up.nbytes(), self.epsilon(cid), dict(result.metrics))
@@ -331,12 +256,7 @@ class ClientHost:
     def commit(self, round_idx: int) -> None:
         """Write the private state of every client that changed this round, then drop stale versions."""
         for cid in sorted(self.dirty):
-            ledger = self.ledgers.get(cid)
-            self.store.save_client(
-                cid,
-                round_idx,
-                {"private": self.private[cid], "sigma": self.sigmas.get(cid, 0.0), "ledger": ledger.to_dict() if ledger else None},
-            )
+            self.store.save_client(cid, round_idx, {"private": self.private[cid], "privacy": self.privacy.state(cid).to_dict()})
             self.store.prune_client(cid, round_idx - 1)
         self.dirty.clear()
 
@@ -346,8 +266,8 @@ class ClientHost:
 
 def server_classnames(method: Method, classnames: list[str]) -> list[str]:
     """What the server may know of the classes: their names, or only how many there are (a method
-    whose privacy model hides class names from the server sets `server_needs_classnames = False`)."""
-    if getattr(method, "server_needs_classnames", True):
+    whose privacy model hides class names from the server declares `Needs(server_classnames=False)`)."""
+    if method.needs().server_classnames:
         return list(classnames)
     return [f"class {i}" for i in range(len(classnames))]
 
@@ -389,10 +309,13 @@ class ServerHost:
                 "uploads": {u.client_id: dict(u.tensors) for u in uploads},
                 "num_samples": {u.client_id: u.num_samples for u in uploads},
             })
+        metrics: dict[str, float] = {}
         if uploads:
             new = self.method.aggregate(self.env, self.state, uploads, generator(self.cfg.seed, "server", round_idx))
+            if isinstance(new, ServerResult):
+                new, metrics = new.state, dict(new.metrics)
             self.state = {k: v.detach().cpu() for k, v in new.items()}
-        return {"bytes_up": sum(u.nbytes() for u in uploads), "bytes_down": down}
+        return {"bytes_up": sum(u.nbytes() for u in uploads), "bytes_down": down, "server_metrics": metrics}
 
     def commit(self, round_idx: int) -> None:
         self.store.save_server(round_idx, self.state)

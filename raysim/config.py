@@ -41,6 +41,14 @@ class DPConfig:
     # "sample": DP-SGD on the uploaded parameters (example-level, the papers' setting);
     # "client": clip the whole uploaded update to `clip` and add Gaussian noise (user-level LDP).
     level: str = "sample"
+    # DP-SGD batches: "poisson" (each example joins each batch with probability q = B/n, what the
+    # accountants assume) or "shuffle" (fixed-size shuffled batches, the papers' code, accounted as if Poisson)
+    sampling: str = "poisson"
+    prototypes: str = "igpp"  # the mechanism of prototype releases: igpp | vpp (vpdr.txt)
+    proto_clip: float = 5.0  # R, the per-example L2 clip of prototype releases (vpdr.txt clip_proto_norm)
+    vpp_rho: float = 0.3  # VPP: share of dimensions in the top-k group I_A, in (0, 0.5]
+    vpp_H: float = 0.1  # VPP: cap of the discriminativeness scores
+    vpp_split: float = 0.1  # VPP: r, the share of epsilon spent on the Laplace top-k partition
 
     @property
     def enabled(self) -> bool:
@@ -335,10 +343,20 @@ def validate(cfg: RunConfig) -> None:
     _check(dp.microbatch >= 1, f"dp.microbatch must be >= 1, got {dp.microbatch}")
     _check(dp.calibration in ("participated", "all_rounds"), "dp.calibration must be participated or all_rounds")
     _check(dp.level in ("sample", "client"), f"dp.level must be sample or client, got {dp.level!r}")
+    _check(dp.sampling in ("poisson", "shuffle"), f"dp.sampling must be poisson or shuffle, got {dp.sampling!r}")
+    _check(dp.prototypes in ("igpp", "vpp"), f"dp.prototypes must be igpp or vpp, got {dp.prototypes!r}")
+    _check(dp.proto_clip > 0, f"dp.proto_clip must be > 0, got {dp.proto_clip}")
+    _check(0 < dp.vpp_rho <= 0.5, f"dp.vpp_rho must be in (0, 0.5], got {dp.vpp_rho}")
+    _check(dp.vpp_H > 0, f"dp.vpp_H must be > 0, got {dp.vpp_H}")
+    _check(0 < dp.vpp_split < 1, f"dp.vpp_split must be in (0, 1), got {dp.vpp_split}")
     opts = cfg.method_options()
     check = getattr(opts, "validate", None)
     if callable(check):
         check()
+    from raysim.actors import make_method
+    from raysim.privacy.mechanisms import check_method
+
+    check_method(make_method(cfg), dp)  # a method/dp combination that cannot be made private stops here
 
 
 def config_from_cli(config_file: str | None, overrides: list[str]) -> RunConfig:

@@ -46,8 +46,9 @@ def eval_rounds(rounds: int, every: int, last: int) -> set[int]:
     return {r for r in range(rounds) if (r + 1) % every == 0 or r >= rounds - last}
 
 
-def prepare_data(cfg: RunConfig, method_input: str, *, progress: bool, image_size: int = 0) -> FederationData:
-    """Load the dataset, partition it, and (for CLIP methods) compute or load frozen image features."""
+def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationData:
+    """Load the dataset, partition it, and (for CLIP methods) compute or load frozen image features;
+    `needs` is the method's declared `Needs` (input kind and size, image tokens)."""
     from raysim.data import DATASETS, LoadSpec, PartitionSpec, partition
     from raysim.data.features import cached_image_features
     from raysim.models.clip import ModelSpec, image_size_of, load_clip, register_builtin_configs, resolve_device
@@ -60,8 +61,8 @@ def prepare_data(cfg: RunConfig, method_input: str, *, progress: bool, image_siz
     model_cfg = open_clip.get_model_config(cfg.model) or {}
     size = (model_cfg.get("vision_cfg") or {}).get("image_size", 224)
     size = int(size[0] if isinstance(size, (list, tuple)) else size)
-    if method_input == "images" and image_size:
-        size = image_size  # methods that train their own image models pick their input size
+    if needs.input == "images" and needs.image_size:
+        size = needs.image_size  # methods that train their own image models pick their input size
     spec = LoadSpec(data_root=cfg.data_root, image_size=size, download=cfg.download, seed=cfg.seed, cache_dir=cfg.cache_dir)
     bundle = DATASETS.get(cfg.dataset)(spec)
     pspec = PartitionSpec(
@@ -77,8 +78,8 @@ def prepare_data(cfg: RunConfig, method_input: str, *, progress: bool, image_siz
     )
     splits = partition(cfg.partition, pspec)
     ttr = tte = None
-    if method_input in ("features", "features+tokens"):
-        tokens = method_input == "features+tokens"
+    if needs.input == "features":
+        tokens = needs.tokens
         xtr, xte, *toks = cached_image_features(
             bundle, model_spec=ModelSpec(cfg.model, cfg.pretrained, cache_dir=cfg.cache_dir), image_size=size, cache_dir=cfg.cache_dir,
             device=resolve_device(cfg.device), progress=progress, tokens=tokens,
@@ -91,10 +92,8 @@ def prepare_data(cfg: RunConfig, method_input: str, *, progress: bool, image_siz
                     "so a router attending over tokens would ignore its probe query; use a ViT image tower "
                     "(e.g. model=raysim-tiny, or a ViT checkpoint from `raysim pretrain --vision vit`) or fedsept.router=pooled"
                 )
-    elif method_input == "images":
-        xtr, xte = materialize_images(bundle.train.images), materialize_images(bundle.test.images)
     else:
-        raise ConfigError(f"method input {method_input!r} is not supported (features, features+tokens or images)")
+        xtr, xte = materialize_images(bundle.train.images), materialize_images(bundle.test.images)
     return FederationData(
         x_train=xtr.numpy(),  # features (N, D) or images (N, 3, S, S)
         y_train=bundle.train.labels.astype(np.int64),
@@ -106,6 +105,24 @@ def prepare_data(cfg: RunConfig, method_input: str, *, progress: bool, image_siz
         tok_train=None if ttr is None else ttr.numpy(),  # (N, K, width) float16, only when asked for
         tok_test=None if tte is None else tte.numpy(),
     )
+
+
+def metric_columns(method: Any) -> tuple[str, ...]:
+    """results.csv columns for the method's declared metrics (besides train_loss)."""
+    return tuple([f"train_{m}" for m in method.client_metrics if m != "loss"] + [f"server_{m}" for m in method.server_metrics])
+
+
+def round_metrics(reports: list[Any], server: dict[str, float], columns: tuple[str, ...]) -> dict[str, float]:
+    """The round's declared metrics: the mean over clients of each client metric, and the server's."""
+    out: dict[str, float] = {}
+    for col in columns:
+        kind, name = col.split("_", 1)
+        if kind == "server":
+            out[col] = float(server.get(name, math.nan))
+        else:
+            vals = [float(r.metrics[name]) for r in reports if name in r.metrics and math.isfinite(float(r.metrics[name]))]
+            out[col] = float(np.mean(vals)) if vals else math.nan
+    return out
 
 
 def mean_of_defined(values: list[float]) -> float:
@@ -182,12 +199,13 @@ def run(cfg: RunConfig, *, on_round: Optional[Callable[[dict[str, Any]], None]] 
     method = make_method(cfg)
     if done >= cfg.rounds - 1:
         log.info("run %s already completed %d rounds", out_dir, done + 1)
-    data = prepare_data(cfg, method.input, progress=cfg.progress, image_size=getattr(method, "image_size", 0))
+    data = prepare_data(cfg, method.needs(), progress=cfg.progress)
     # (fails before anything is written)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(cfg.to_yaml())
     hparams = flat_config(cfg)
-    logger = RunLogger(out_dir, tensorboard=cfg.tensorboard, hparams=hparams)
+    extra = metric_columns(method)
+    logger = RunLogger(out_dir, tensorboard=cfg.tensorboard, hparams=hparams, extra_columns=extra)
     logger.resume_at(done)
     backend = BACKENDS[cfg.backend](cfg, data, str(out_dir), done)
     info = {"method": cfg.method, **backend.info}
@@ -227,6 +245,7 @@ def run(cfg: RunConfig, *, on_round: Optional[Callable[[dict[str, Any]], None]] 
                 "epsilon_max": float(max(eps)) if eps and all(math.isfinite(e) for e in eps) else math.nan,
                 "participants": len(part),
                 "seconds": time.perf_counter() - t0,
+                **round_metrics(reports, stats.get("server_metrics", {}), extra),
             }
             logger.log_round(row, client_rows)
             store.mark_complete(r)

@@ -64,9 +64,12 @@ class CsvTable:
 
 
 class RunLogger:
-    def __init__(self, out_dir: Path, *, tensorboard: bool, hparams: Optional[dict[str, Any]] = None) -> None:
+    def __init__(self, out_dir: Path, *, tensorboard: bool, hparams: Optional[dict[str, Any]] = None,
+                 extra_columns: tuple[str, ...] = ()) -> None:
+        """`extra_columns`: the method's declared metrics, as train_<name> (client mean) and server_<name>."""
         self.out_dir = out_dir
-        self.rounds = CsvTable(out_dir / "results.csv", ROUND_COLUMNS)
+        self.extra_columns = tuple(extra_columns)
+        self.rounds = CsvTable(out_dir / "results.csv", ROUND_COLUMNS + list(self.extra_columns))
         self.clients = CsvTable(out_dir / "client_results.csv", CLIENT_COLUMNS)
         self.tb = None
         if tensorboard:
@@ -95,6 +98,7 @@ class RunLogger:
                 ("bytes_down", "comm/bytes_down"),
                 ("epsilon_max", "privacy/epsilon_max"),
                 ("seconds", "time/round_seconds"),
+                *((k, k.replace("_", "/", 1)) for k in self.extra_columns),
             ):
                 v = row.get(key)
                 if isinstance(v, (int, float)) and math.isfinite(v):

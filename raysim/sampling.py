@@ -65,3 +65,15 @@ def batch_indices(n: int, batch_size: int, rng: torch.Generator) -> Iterator[tor
         return
     for i in range(batches_per_epoch(n, batch_size)):
         yield perm[i * batch_size : (i + 1) * batch_size]
+
+
+def poisson_batches(n: int, batch_size: int, rng: torch.Generator, steps: int) -> Iterator[torch.Tensor]:
+    """`steps` Poisson-sampled batches: every example joins each batch independently with probability
+    q = min(1, B/n), so batch sizes vary (Binomial(n, q)) and may be empty; this is the sampling the
+    subsampled-Gaussian accountants assume."""
+    q = min(1.0, batch_size / max(1, n))
+    for _ in range(steps):
+        if q >= 1.0:
+            yield torch.arange(n)
+            continue
+        yield (torch.rand(n, generator=rng) < q).nonzero().squeeze(1)

@@ -178,7 +178,7 @@ def test_final_model_logits_reads_test_rows_where_asked(fedsept_run):
     from raysim.engine import prepare_data
 
     cfg = build_config(load_yaml(fedsept_run / "config.yaml"))
-    data = prepare_data(cfg, make_method(cfg).input, progress=False)
+    data = prepare_data(cfg, make_method(cfg).needs(), progress=False)
     tr, te = data.train_idx[1][:3], data.test_idx[1][:2]
     mixed = final_model_logits(fedsept_run, cfg, data, {1: np.r_[tr, te]}, in_test={1: np.r_[[False] * 3, [True] * 2]})[1]
     train_only = final_model_logits(fedsept_run, cfg, data, {1: tr})[1]

@@ -18,7 +18,7 @@ def _rounds(cfg, kill=None):
     from raysim.sampling import participants
     from raysim.store import StateStore
 
-    data = prepare_data(cfg, make_method(cfg).input, progress=False)
+    data = prepare_data(cfg, make_method(cfg).needs(), progress=False)
     b = RayBackend(cfg, data, cfg.out_dir, -1)
     seen = []
     try:

@@ -67,7 +67,7 @@ def test_probe_query_trains_only_with_patch_tokens(tiny, router):
 
     env = build_clip_env(ModelSpec("raysim-tiny"), CLASSES, 4)
     m = _method(env, router=router)
-    assert m.input == ("features+tokens" if router == "patch" else "features")
+    assert m.needs().tokens == (router == "patch")
     data = _data(env, tiny)
     shared = m.init_shared(env, torch.Generator().manual_seed(0))
     private = m.init_private(env, data, torch.Generator().manual_seed(1))

@@ -227,6 +227,16 @@ class TextTower(nn.Module):
         emb = self.word_embeddings
         return emb(tokens.to(emb.weight.device))
 
+    @torch.no_grad()
+    def end_positions(self, embeds: Tensor) -> Tensor:
+        """Post-processing of a released (noised) embedding tensor (N, T, w): each sequence's end-of-text
+        position is taken as the position (after the first) whose embedding is most similar to the public
+        end token's embedding."""
+        end = self.end_token_id()
+        ref = self.word_embeddings.weight[end].to(embeds.device, embeds.dtype)
+        sims = F.cosine_similarity(embeds[:, 1:], ref[None, None], dim=-1)
+        return sims.argmax(dim=-1) + 1
+
     def encode_texts(self, texts: Sequence[str]) -> Tensor:
         tokens = self.tokenize(texts)
         return F.normalize(self(self.embed_tokens(tokens), self.meta(tokens)), dim=-1)
@@ -263,6 +273,12 @@ class CausalTextTower(TextTower):
     def meta(self, tokens: Tensor) -> Tensor:
         return tokens.argmax(dim=-1)  # EOT has the largest token id
 
+    def end_token_id(self) -> int:
+        return int(self.tokenize([""])[0].max())
+
+    def meta_from_embeddings(self, embeds: Tensor) -> Tensor:
+        return self.end_positions(embeds)
+
     def forward(self, embeds: Tensor, eot: Tensor) -> Tensor:
         """embeds: (N, T, width) token embeddings; eot: (N,) EOT positions -> (N, embed_dim) features."""
         t = int(eot.max().item()) + 1
@@ -296,6 +312,14 @@ class HFTextTower(TextTower):
 
     def meta(self, tokens: Tensor) -> Tensor:
         return (tokens != self.pad_id).long()
+
+    def end_token_id(self) -> int:
+        t = self.tokenize([""])[0]
+        return int(t[int((t != self.pad_id).sum()) - 1])  # [SEP] after an empty text
+
+    def meta_from_embeddings(self, embeds: Tensor) -> Tensor:
+        end = self.end_positions(embeds)
+        return (torch.arange(embeds.shape[1], device=end.device)[None] <= end[:, None]).long()
 
     def forward(self, embeds: Tensor, mask: Tensor) -> Tensor:
         t = int(mask.sum(-1).max().item())  # padding is masked out: cutting it changes nothing

@@ -69,6 +69,16 @@ class ClipPLM(nn.Module):
     def encode(self, embeds: Tensor, aux: Tensor) -> Tensor:
         return self.tower(embeds, aux)
 
+    @torch.no_grad()
+    def embed_fixed(self, texts: Sequence[str]) -> Tensor:
+        """Token embeddings (N, T, w) at the tower's fixed context length T (a public constant)."""
+        return self.tower.embed_tokens(self.tower.tokenize(texts))
+
+    @torch.no_grad()
+    def aux_from_release(self, embeds: Tensor) -> Tensor:
+        """What `encode` needs besides a *released* (noised) embedding tensor, by post-processing only."""
+        return self.tower.meta_from_embeddings(embeds)
+
 
 class BertPLM(nn.Module):
     """A frozen BERT-style encoder through transformers (FedTSP-BERT)."""
@@ -98,6 +108,20 @@ class BertPLM(nn.Module):
 
     def encode(self, embeds: Tensor, aux: Tensor | None = None) -> Tensor:
         return self.model(inputs_embeds=embeds).last_hidden_state[:, 0]
+
+    RELEASE_LENGTH = 77  # the fixed, public sequence length of a released embedding tensor
+
+    @torch.no_grad()
+    def embed_fixed(self, texts: Sequence[str]) -> Tensor:
+        """Word embeddings (N, T, w) padded to the fixed length T = min(77, max positions)."""
+        length = min(self.RELEASE_LENGTH, self.max_len)
+        enc = self.tokenizer(list(texts), padding="max_length", truncation=True, max_length=length, return_tensors="pt")
+        ids = enc["input_ids"].to(self.model.device)
+        return self.model.embeddings(input_ids=ids) if self.double_embedding else self.model.embeddings.word_embeddings(ids)
+
+    def aux_from_release(self, embeds: Tensor) -> Tensor:
+        """`encode` attends over every position (no mask, as the official code), so nothing is needed."""
+        return torch.full((embeds.shape[0],), embeds.shape[1], dtype=torch.long)
 
 
 def resolve_bert_path(path: str = "") -> str:
@@ -175,6 +199,16 @@ class TextPrototypes(nn.Module):
         index = torch.tensor([c for c, ts in enumerate(prompts_per_class) for _ in ts])
         base, aux = plm.embed(texts)
         return cls(plm, base, aux, index, len(prompts_per_class))
+
+    @classmethod
+    def from_release(cls, plm: nn.Module, released: Tensor, num_classes: int) -> "TextPrototypes":
+        """From a client's DP release (N, T, w) of k = N / C descriptions per class in class order: the
+        class of each row and what the PLM needs besides the embeddings are derived, not sent."""
+        n = int(released.shape[0])
+        if n == 0 or n % num_classes:
+            raise ConfigError(f"a description release has {n} rows, not a whole number of rows for each of {num_classes} classes")
+        index = torch.arange(num_classes).repeat_interleave(n // num_classes)
+        return cls(plm, released, plm.aux_from_release(released), index, num_classes)
 
     def embeddings(self, prompts: Tensor) -> Tensor:
         return insert_prompts(self.base, prompts, self.class_index)

@@ -1,0 +1,287 @@
+"""The privacy side of a client host: per client, the mechanisms its uploads resolve to, one calibrated
+noise multiplier, the one ledger, and the check that nothing leaves the client un-privatised.
+
+Per (round, client) the host opens a `RoundPrivacy`, the handle the method's `local_train` receives:
+
+- `batches(n, B, rng)`: the mini-batches of one epoch (Poisson-sampled when DP-SGD runs with
+  dp.sampling=poisson, else shuffled fixed-size batches, the papers' code);
+- `backward(per_sample_loss, dp_params={name: tensor}, other_params=[...], public_loss=None)`: DP-SGD on
+  the named upload tensors (a plain backward when DP is off);
+- `release(name, ...)`: the host computes and privatises a prototype or embedding release;
+
+then `close(upload)` checks every uploaded tensor against its declared release (fail closed), applies the
+user-level update release (dp.level=client), and records what was spent in the client's ledger. A
+method says *what* it releases; this module does the *how*.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Union
+
+import torch
+from torch import Tensor
+
+from raysim.errors import UploadViolation
+
+from .accountant import calibrate_multiplier
+from .dpsgd import DPSGD, NoDP
+from .ledger import PrivacyLedger, Release
+from .mechanisms import ClientUpdate, DPSGDMechanism, Mechanism, Public, resolve_all
+
+
+@dataclass
+class ClientPrivacyState:
+    """What the host keeps per client (checkpointed with its private state)."""
+
+    multiplier: Optional[float] = None  # calibrated once, at the first participation
+    ledger: Optional[PrivacyLedger] = None
+    once: dict[str, Tensor] = field(default_factory=dict)  # one-shot releases already made (re-sending is free)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"multiplier": self.multiplier, "ledger": self.ledger.to_dict() if self.ledger else None,
+                "once": dict(self.once)}
+
+    @classmethod
+    def from_dict(cls, d: Optional[dict[str, Any]]) -> "ClientPrivacyState":
+        if not d:
+            return cls()
+        ledger = PrivacyLedger.from_dict(d["ledger"]) if d.get("ledger") else None
+        return cls(d.get("multiplier"), ledger, dict(d.get("once") or {}))
+
+
+class HostPrivacy:
+    """Privacy state of the clients one host holds (`dp` is the run's DPConfig)."""
+
+    def __init__(self, *, dp: Any, method: Any, seed: int, batch_size: int, releases_per_client: Callable[[int], int]) -> None:
+        self.dp = dp
+        self.method = method
+        self.seed = seed
+        self.batch_size = batch_size
+        self.releases_per_client = releases_per_client  # participations used to calibrate (SPEC: participated or all)
+        self.mechanisms: dict[str, Optional[Mechanism]] = resolve_all(method.releases, dp, method=method.name)
+        self.states: dict[int, ClientPrivacyState] = {}
+
+    # -- state ---------------------------------------------------------------------------------
+    def state(self, cid: int) -> ClientPrivacyState:
+        return self.states.setdefault(cid, ClientPrivacyState())
+
+    def load(self, cid: int, saved: Optional[dict[str, Any]]) -> None:
+        self.states[cid] = ClientPrivacyState.from_dict(saved)
+
+    def epsilon(self, cid: int) -> float:
+        if not self.dp.enabled:
+            return math.inf
+        ledger = self.state(cid).ledger
+        return float(ledger.epsilon()) if ledger is not None else 0.0
+
+    def ledger(self, cid: int) -> PrivacyLedger:
+        st = self.state(cid)
+        if st.ledger is None:
+            st.ledger = PrivacyLedger(self.dp.epsilon, self.dp.delta, self.dp.accountant)
+        return st.ledger
+
+    # -- calibration ---------------------------------------------------------------------------
+    def _private_names(self, cid: int) -> list[str]:
+        names = self.method.releases_of(cid)
+        return [n for n in names if self.mechanisms.get(n) is not None and not isinstance(self.mechanisms[n], Public)]
+
+    def plan(self, cid: int, num_train: int) -> tuple[list[tuple[float, int]], float, int]:
+        """The Gaussian compositions of the client's whole run [(q, steps)], its pure-DP epsilon, and the
+        number of participations it is calibrated for."""
+        rounds = max(1, self.releases_per_client(cid))
+        entries: list[tuple[float, int]] = []
+        pure = 0.0
+        seen: set[str] = set()
+        specs = self.method.releases
+        for name in self._private_names(cid):
+            mech = self.mechanisms[name]
+            if mech.name in ("dpsgd", "client_update") and mech.name in seen:
+                continue  # one DP-SGD step / one update release covers every tensor it privatises
+            seen.add(mech.name)
+            p = mech.planned(num_train=num_train, steps_per_round=self.method.dp_steps_per_round(num_train),
+                             batch_size=self.batch_size)
+            times = 1 if specs[name].once else rounds
+            if p.steps:
+                entries.append((p.q, p.steps * times))
+            pure += p.pure_share * self.dp.epsilon
+        return entries, pure, rounds
+
+    def multiplier(self, cid: int, num_train: int) -> float:
+        st = self.state(cid)
+        if st.multiplier is None:
+            entries, pure, _ = self.plan(cid, num_train)
+            st.multiplier = calibrate_multiplier(epsilon=self.dp.epsilon, delta=self.dp.delta, plan=entries,
+                                                 pure=pure, accountant=self.dp.accountant)
+        return st.multiplier
+
+    # -- one round -------------------------------------------------------------------------------
+    def open(self, cid: int, round_idx: int, num_train: int, shared: dict[str, Tensor]) -> "RoundPrivacy":
+        return RoundPrivacy(self, cid, round_idx, num_train, shared)
+
+
+def _stream(seed: int, *parts: object) -> torch.Generator:
+    from raysim.sampling import generator
+
+    return generator(seed, *parts)
+
+
+class RoundPrivacy:
+    """The privacy handle of one (round, client): what `local_train` may ask, and the host's check after."""
+
+    def __init__(self, host: HostPrivacy, cid: int, round_idx: int, num_train: int, shared: dict[str, Tensor]) -> None:
+        self.host, self.cid, self.round, self.num_train = host, cid, round_idx, num_train
+        self.shared = shared
+        self.released: dict[str, Tensor] = {}
+        self.pending: list[Release] = []
+        dp = host.dp
+        names = host._private_names(cid)
+        self.dpsgd = [n for n in names if isinstance(host.mechanisms[n], DPSGDMechanism)]
+        self.poisson = bool(self.dpsgd) and dp.sampling == "poisson"
+        self._sgd: Union[DPSGD, NoDP] = NoDP()
+        if self.dpsgd:
+            z = host.multiplier(cid, num_train)
+            mech = host.mechanisms[self.dpsgd[0]]
+            q = mech.sample_rate(num_train, host.batch_size)
+            steps = host.method.dp_steps_per_round(num_train)
+            self._dpsgd_release = Release("dpsgd", z, q, steps, round_idx, sampling=dp.sampling)
+            host.ledger(cid).check(self._dpsgd_release)
+            self._sgd = DPSGD(sigma=z, clip=dp.clip, sample_rate=q, generator=_stream(host.seed, "dp-noise", round_idx, cid),
+                              microbatch=dp.microbatch, expected_batch=q * num_train if self.poisson else None)
+
+    @property
+    def enabled(self) -> bool:
+        """True when DP-SGD privatises the tensors passed as `dp_params`."""
+        return isinstance(self._sgd, DPSGD)
+
+    # -- what the method calls -------------------------------------------------------------------
+    def batches(self, n: int, batch_size: int, rng: torch.Generator) -> Iterator[Tensor]:
+        from raysim.sampling import batch_indices, batches_per_epoch, poisson_batches
+
+        if self.poisson:
+            return poisson_batches(n, batch_size, rng, batches_per_epoch(n, batch_size))
+        return batch_indices(n, batch_size, rng)
+
+    def backward(self, per_sample_loss: Tensor, dp_params, other_params=(), public_loss: Optional[Tensor] = None) -> None:
+        self._sgd.backward(per_sample_loss, dp_params, other_params, public_loss=public_loss)
+
+    def release(self, name: str, value: Union[Tensor, Callable[[], Tensor], None] = None, *, features: Optional[Tensor] = None,
+                labels: Optional[Tensor] = None, num_classes: int = 0, clip: float = 0.0) -> Tensor:
+        """A release the host makes: `prototype` uploads from (features, labels) -> (num_classes, d) class
+        means (noised by the run's prototype mechanism under DP; classes the client lacks are 0);
+        `embedding` uploads from `value` (a tensor or a function computing it, called only if this one-shot
+        release was not made before), clipped to `clip` as a whole and noised."""
+        spec = self.host.method.releases.get(name)
+        if spec is None or spec.kind not in ("prototype", "embedding"):
+            raise UploadViolation(f"{self.host.method.name} does not declare {name!r} as a prototype or embedding release")
+        st = self.host.state(self.cid)
+        if spec.once and name in st.once:
+            out = st.once[name]  # already released: sending it again is post-processing
+        elif spec.kind == "prototype":
+            out = self._prototypes(name, features, labels, num_classes)
+        else:
+            out = self._embedding(name, value() if callable(value) else value, clip)
+        if spec.once:
+            st.once[name] = out
+        self.released[name] = out
+        return out.clone()
+
+    def _mechanism(self, name: str) -> Optional[Mechanism]:
+        return self.host.mechanisms.get(name) if name in self.host._private_names(self.cid) else None
+
+    def _record(self, release: Release) -> None:
+        ledger = self.host.ledger(self.cid)
+        ledger.check(release)
+        self.pending.append(release)
+
+    def _prototypes(self, name: str, features: Tensor, labels: Tensor, num_classes: int) -> Tensor:
+        mech = self._mechanism(name)
+        features, labels = features.detach().float().cpu(), labels.detach().long().cpu()
+        if mech is None:  # DP off: the clean class means
+            return NoDP().release(name, features=features, labels=labels, num_classes=num_classes)
+        z = self.host.multiplier(self.cid, self.num_train)
+        rounds = self.host.plan(self.cid, self.num_train)[2]
+        gen = _stream(self.host.seed, "dp-release", name, self.round, self.cid)
+        out, extra = mech.apply(features, labels, num_classes, multiplier=z, generator=gen, rounds=rounds)
+        if extra.get("pure_epsilon"):
+            self._record(Release(f"{mech.name}_topk", 0.0, 1.0, 1, self.round, epsilon=extra["pure_epsilon"]))
+        self._record(Release(mech.name, z, 1.0, 1, self.round))
+        return out
+
+    def _embedding(self, name: str, value: Tensor, clip: float) -> Tensor:
+        mech = self._mechanism(name)
+        if mech is None:
+            return NoDP().release(name, value)
+        z = self.host.multiplier(self.cid, self.num_train)
+        gen = _stream(self.host.seed, "dp-release", name, self.round, self.cid)
+        self._record(Release(mech.name, z, 1.0, 1, self.round))
+        return mech.apply(value.detach().float().cpu(), clip=clip, multiplier=z, generator=gen)
+
+    # -- what the host does after local training ---------------------------------------------------
+    def close(self, upload: dict[str, Any]) -> dict[str, Tensor]:
+        """Check every uploaded tensor against its declared release, apply the update release, and record
+        the round's releases in the ledger. Raises UploadViolation (fail closed)."""
+        method = self.host.method
+        declared = method.releases
+        clean: dict[str, Tensor] = {}
+        for k, v in upload.items():
+            if k not in declared:
+                raise UploadViolation(
+                    f"client {self.cid} tried to upload {k!r}, which {method.name} does not declare as shared "
+                    f"(declared: {sorted(declared)})"
+                )
+            if not isinstance(v, Tensor):
+                raise UploadViolation(f"client {self.cid}: upload {k!r} must be a tensor, got {type(v).__name__}")
+            clean[k] = v.detach().to("cpu", copy=True)
+        if self.host.dp.enabled:
+            self._verify(clean, declared)
+            clean = self._update_release(clean)
+        if self.dpsgd:
+            done = Release(**{**self._dpsgd_release.__dict__, "steps": self._sgd.steps})
+            self.pending.insert(0, done)
+        ledger = self.host.ledger(self.cid) if self.pending else None
+        for r in self.pending:
+            ledger.record(r)
+        return clean
+
+    def _verify(self, clean: dict[str, Tensor], declared: dict[str, Any]) -> None:
+        for k, v in clean.items():
+            mech = self.host.mechanisms.get(k)
+            if mech is None or isinstance(mech, (Public, ClientUpdate)):
+                continue
+            if isinstance(mech, DPSGDMechanism):
+                sgd = self._sgd
+                if not isinstance(sgd, DPSGD) or sgd.steps == 0:
+                    if k in self.shared and self.shared[k].shape == v.shape and torch.equal(self.shared[k].detach().cpu(), v):
+                        continue  # untouched broadcast tensor: nothing of the client's data in it
+                    raise UploadViolation(f"client {self.cid}: {k!r} is declared dpsgd but no DP-SGD step trained it (fail closed)")
+                if any(k not in names for names in sgd.names_each_step) or k not in sgd.trained:
+                    raise UploadViolation(
+                        f"client {self.cid}: {k!r} is declared dpsgd but was not passed as dp_params={{{k!r}: tensor}} "
+                        "to every privacy.backward step (fail closed)"
+                    )
+                if not torch.equal(sgd.trained[k].detach().cpu(), v):
+                    raise UploadViolation(f"client {self.cid}: the uploaded {k!r} is not the tensor DP-SGD trained (fail closed)")
+            elif k not in self.released or not torch.equal(self.released[k], v):
+                raise UploadViolation(
+                    f"client {self.cid}: {k!r} is a {declared[k].kind} release and must be the tensor "
+                    f"privacy.release({k!r}, ...) returned this round (fail closed)"
+                )
+
+    def _update_release(self, clean: dict[str, Tensor]) -> dict[str, Tensor]:
+        """dp.level=client: clip the whole update (upload - broadcast) of every update-released tensor to C
+        and add Gaussian noise of std 2C sigma (replace-one sensitivity 2C); one release per participation."""
+        names = [k for k in clean if isinstance(self.host.mechanisms.get(k), ClientUpdate)]
+        if not names:
+            return clean
+        for k in names:
+            if k not in self.shared or self.shared[k].shape != clean[k].shape:
+                raise UploadViolation(f"client {self.cid}: {k!r} is released as an update but is not an update of a broadcast tensor")
+        mech = self.host.mechanisms[names[0]]
+        z = self.host.multiplier(self.cid, self.num_train)
+        self._record(Release(mech.name, z, 1.0, 1, self.round))
+        base = {k: self.shared[k].detach().cpu() for k in names}
+        noisy = mech.apply({k: clean[k] - base[k] for k in names}, multiplier=z,
+                           generator=_stream(self.host.seed, "dp-update", self.round, self.cid))
+        return {**clean, **{k: base[k] + noisy[k] for k in names}}

@@ -1,0 +1,263 @@
+"""How each uploaded tensor leaves a client: declared releases and the registry of mechanisms.
+
+A method declares, for every tensor it may upload, a `ReleaseSpec` naming the *kind* of release:
+
+    dpsgd       trained by DP-SGD (per-example clipping and noise) on the client's data
+    update      an update of a broadcast tensor, trained without per-example DP
+    prototype   class prototypes computed from the client's features (the host computes and noises them)
+    embedding   a one-shot release of a tensor the client computes once (FedTSP's description embeddings)
+    public      not private (sample counts, and only where the papers treat them as public)
+
+The host resolves each kind against the run's `dp` section to one registered `Mechanism`
+(`resolve`); a combination that cannot be made private is refused at config time (`check_method`).
+A mechanism says what it clips, its sensitivity, its neighbouring relation and its accountant
+(`MECHANISMS` is the table in README "Privacy"), how many Gaussian compositions one participation
+costs (`planned`, used to calibrate the noise multiplier before training) and, for mechanisms the host
+applies itself, `apply`. Multipliers are always relative to the mechanism's L2 sensitivity, so every
+ledger entry composes through the same accountant (one epsilon conversion everywhere).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
+
+import torch
+from torch import Tensor
+
+from raysim.errors import ConfigError
+from raysim.registry import Registry
+
+KINDS = ("dpsgd", "update", "prototype", "embedding", "public")
+
+
+@dataclass(frozen=True)
+class ReleaseSpec:
+    """What a method declares about one upload: the kind of release, and why it is public (for `public`)."""
+
+    kind: str
+    note: str = ""
+    once: bool = False  # one release per run (embedding), not one per participation
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"release kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.kind == "public" and not self.note:
+            raise ValueError("a public upload needs a note saying why the paper treats it as public")
+
+
+def dpsgd() -> ReleaseSpec:
+    return ReleaseSpec("dpsgd")
+
+
+def update() -> ReleaseSpec:
+    return ReleaseSpec("update")
+
+
+def prototype() -> ReleaseSpec:
+    return ReleaseSpec("prototype")
+
+
+def embedding() -> ReleaseSpec:
+    return ReleaseSpec("embedding", once=True)
+
+
+def public(note: str) -> ReleaseSpec:
+    return ReleaseSpec("public", note=note)
+
+
+# ------------------------------------------------------------------------------------- mechanisms
+@dataclass(frozen=True)
+class Planned:
+    """Gaussian compositions one participation costs: `steps` releases at sampling rate `q` (all at the
+    client's common multiplier); `pure` is an epsilon spent by a pure-DP part, as a share of the target."""
+
+    q: float = 1.0
+    steps: int = 0
+    pure_share: float = 0.0
+
+
+class Mechanism:
+    """A registered release mechanism. The class attributes are the README's mechanism table."""
+
+    name: ClassVar[str] = ""
+    applied: ClassVar[str] = ""  # "train" (inside local training), "release" (on the method's request), "update", "none"
+    clipped: ClassVar[str] = ""
+    sensitivity: ClassVar[str] = ""
+    relation: ClassVar[str] = ""
+    accountant: ClassVar[str] = ""
+
+    def __init__(self, dp: Any) -> None:
+        self.dp = dp
+
+    def planned(self, *, num_train: int, steps_per_round: int, batch_size: int) -> Planned:
+        return Planned()
+
+
+MECHANISMS: Registry[type[Mechanism]] = Registry("privacy mechanism")
+
+
+def register_mechanism(cls: type[Mechanism]) -> type[Mechanism]:
+    MECHANISMS.register(cls.name)(cls)
+    return cls
+
+
+@register_mechanism
+class Public(Mechanism):
+    name = "public"
+    applied = "none"
+    clipped = "nothing"
+    sensitivity = "n/a (not private)"
+    relation = "n/a: declared public by the method (its docstring says why)"
+    accountant = "none (costs nothing, protects nothing)"
+
+
+@register_mechanism
+class DPSGDMechanism(Mechanism):
+    name = "dpsgd"
+    applied = "train"
+    clipped = "each example's gradient of the uploaded tensors, jointly, to dp.clip = C"
+    sensitivity = "C per step (one example added or removed changes the clipped gradient sum by <= C)"
+    relation = "add/remove one training example (sample-level)"
+    accountant = "subsampled Gaussian, q = B/n, one step per batch (Opacus RDP or PRV)"
+
+    def sample_rate(self, num_train: int, batch_size: int) -> float:
+        return min(1.0, batch_size / max(1, num_train))
+
+    def planned(self, *, num_train: int, steps_per_round: int, batch_size: int) -> Planned:
+        return Planned(q=self.sample_rate(num_train, batch_size), steps=steps_per_round)
+
+
+@register_mechanism
+class ClientUpdate(Mechanism):
+    name = "client_update"
+    applied = "update"
+    clipped = "the whole update (upload - broadcast), jointly over the uploaded tensors, to dp.clip = C"
+    sensitivity = "2C (any two datasets of the client give updates in the same C-ball)"
+    relation = "replace the client's whole dataset (user-level; the server, who samples, is the adversary)"
+    accountant = "Gaussian, q = 1 (no amplification by participation), one release per participation"
+
+    def planned(self, *, num_train: int, steps_per_round: int, batch_size: int) -> Planned:
+        return Planned(q=1.0, steps=1)
+
+    def apply(self, delta: dict[str, Tensor], *, multiplier: float, generator: torch.Generator) -> dict[str, Tensor]:
+        from .client_level import noise_update
+
+        # noise_update adds N(0, (sigma C)^2) with sigma relative to C; the sensitivity is 2C
+        return noise_update(delta, clip=self.dp.clip, sigma=2.0 * multiplier, generator=generator)
+
+
+@register_mechanism
+class IGPP(Mechanism):
+    name = "igpp"
+    applied = "release"
+    clipped = "each example's feature to dp.proto_clip = R (L2)"
+    sensitivity = "2R / n_c per class mean (n_c = the client's examples of class c)"
+    relation = "replace one example by another of the same class (per-class counts are public)"
+    accountant = "Gaussian, q = 1, one release per participation"
+
+    def planned(self, *, num_train: int, steps_per_round: int, batch_size: int) -> Planned:
+        return Planned(q=1.0, steps=1)
+
+    def apply(self, features: Tensor, labels: Tensor, num_classes: int, *, multiplier: float,
+              generator: torch.Generator, rounds: int) -> tuple[Tensor, dict[str, float]]:
+        from .prototypes import igpp_release
+
+        out = igpp_release(features, labels, clip=self.dp.proto_clip, sigma=multiplier, generator=generator)
+        return _dense(out, num_classes, features), {}
+
+
+@register_mechanism
+class VPP(Mechanism):
+    name = "vpp"
+    applied = "release"
+    clipped = "each feature's top-k and rest groups to R sqrt(d_A/d) and R sqrt(d_B/d) (R = dp.proto_clip)"
+    sensitivity = "2R / n_c per class mean, split 2R kappa_A / n_c on I_A and 2R kappa_B / n_c on I_B"
+    relation = "replace one example by another of the same class (per-class counts are public)"
+    accountant = ("Laplace top-k partition, pure (dp.vpp_split x epsilon over the run), plus Gaussian with the "
+                  "group noise reallocated at equal RDP (q = 1, one release per participation)")
+
+    def planned(self, *, num_train: int, steps_per_round: int, batch_size: int) -> Planned:
+        return Planned(q=1.0, steps=1, pure_share=self.dp.vpp_split)
+
+    def apply(self, features: Tensor, labels: Tensor, num_classes: int, *, multiplier: float,
+              generator: torch.Generator, rounds: int) -> tuple[Tensor, dict[str, float]]:
+        from .prototypes import vpp_release
+
+        out = vpp_release(features, labels, R=self.dp.proto_clip, rho=self.dp.vpp_rho, H=self.dp.vpp_H,
+                          epsilon=self.dp.epsilon, rounds=rounds, delta=self.dp.delta, r_split=self.dp.vpp_split,
+                          generator=generator, num_classes=num_classes, sigma_ref=multiplier)
+        return _dense(out["prototypes"], num_classes, features), {"pure_epsilon": out["epsilon1"] / rounds}
+
+
+@register_mechanism
+class EmbeddingRelease(Mechanism):
+    name = "embedding"
+    applied = "release"
+    clipped = "the flattened tensor, as a whole, to C (the method's clip radius, e.g. fedtsp.dp_clip)"
+    sensitivity = "2C (fedtsp.txt Eq. 10)"
+    relation = "replace the released content (e.g. the selected client's class descriptions) entirely"
+    accountant = "Gaussian, q = 1, once per run"
+
+    def planned(self, *, num_train: int, steps_per_round: int, batch_size: int) -> Planned:
+        return Planned(q=1.0, steps=1)
+
+    def apply(self, tensor: Tensor, *, clip: float, multiplier: float, generator: torch.Generator) -> Tensor:
+        v = tensor.detach().reshape(-1).double()
+        v = v * min(1.0, clip / max(float(v.norm()), 1e-12))
+        dev = generator.device if generator is not None else torch.device("cpu")
+        noise = torch.randn(v.shape, generator=generator, device=dev, dtype=torch.float64).to(v.device)
+        return (v + multiplier * 2.0 * clip * noise).reshape(tensor.shape).to(tensor.dtype)
+
+
+def _dense(protos: dict[int, Tensor], num_classes: int, like: Tensor) -> Tensor:
+    out = torch.zeros(num_classes, like.shape[1], dtype=torch.float32)
+    for c, p in protos.items():
+        out[c] = p.detach().float().cpu()
+    return out
+
+
+# ------------------------------------------------------------------------------------- resolution
+def resolve(spec: ReleaseSpec, dp: Any, *, what: str) -> Optional[Mechanism]:
+    """The mechanism that releases `what` under `dp` (None when DP is off: nothing is privatised).
+    Raises ConfigError when this kind of release cannot be made private at `dp.level`."""
+    if spec.kind == "public":
+        return Public(dp)
+    if not dp.enabled:
+        return None
+    level = dp.level
+    if spec.kind == "dpsgd":
+        return DPSGDMechanism(dp) if level == "sample" else ClientUpdate(dp)
+    if spec.kind == "update":
+        if level != "client":
+            raise ConfigError(
+                f"{what} is trained without per-example DP-SGD, so dp.level=sample cannot privatise it; "
+                "use dp.level=client (the whole update is clipped and noised) or dp.epsilon=inf"
+            )
+        return ClientUpdate(dp)
+    if spec.kind == "prototype":
+        if level != "sample":
+            raise ConfigError(f"{what} is a prototype release, not an update of the broadcast state; use dp.level=sample")
+        return MECHANISMS.get(dp.prototypes)(dp)
+    if spec.kind == "embedding":
+        return EmbeddingRelease(dp)
+    raise ConfigError(f"{what}: unknown release kind {spec.kind!r}")
+
+
+def resolve_all(releases: dict[str, ReleaseSpec], dp: Any, *, method: str) -> dict[str, Optional[Mechanism]]:
+    return {name: resolve(spec, dp, what=f"{method}'s upload {name!r}") for name, spec in releases.items()}
+
+
+def check_method(method: Any, dp: Any) -> None:
+    """Config-time check: every upload `method` declares can be released privately under `dp`."""
+    resolve_all(method.releases, dp, method=method.name)
+
+
+def mechanism_table() -> list[dict[str, str]]:
+    """One row per registered mechanism (README "Privacy")."""
+    return [
+        {"mechanism": n, "clipped": c.clipped, "sensitivity": c.sensitivity, "relation": c.relation, "accountant": c.accountant}
+        for n, c in ((n, MECHANISMS.get(n)) for n in MECHANISMS.names())
+    ]
+
