@@ -201,8 +201,8 @@ class FedSEPT(ClipPromptMethod):
                     opt.step()
                     if len(idx):  # a Poisson batch may be empty (a noise-only step)
                         terms["ce"].append(ce.mean().item())
-                        terms["div"].append(float(div))
-                        terms["gate"].append(float(gate) if gate is not None else 0.0)
+                        terms["div"].append(float(div.detach()))
+                        terms["gate"].append(float(gate.detach()) if gate is not None else 0.0)
                         terms["loss"].append(terms["ce"][-1] + terms["div"][-1])
         new_private = dict(private)
         if R is not None:

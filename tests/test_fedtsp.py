@@ -184,45 +184,94 @@ class _Guarded(list):
 
 
 def test_private_release_path_server_never_sees_class_names():
+    """The private variant (dp.epsilon < inf): the server env is built from the class count only; the dp
+    client's release goes through the host (clipped, noised, in its ledger) and carries only the padded
+    noised embeddings; the server derives the rest by post-processing; the client never re-releases."""
+    from raysim.config import DPConfig
     from raysim.methods.fedtsp import FedTSP, Options
-    from raysim.privacy import PrivacyLedger, gaussian_sigma
+    from raysim.privacy.accountant import epsilon_spent
+    from raysim.privacy.host import HostPrivacy
 
     names = ["zero", "one", "two"]
-    opts = Options(plm="bert", model_family="tiny", dp_epsilon=2.0, len_prompt=2)
+    dp = DPConfig(epsilon=2.0)
+    opts = Options(plm="bert", model_family="tiny", len_prompt=2)
     opts.validate()
-    method = FedTSP(TrainConfig(batch_size=8), opts)
-    assert method.server_needs_classnames is False
+    method = FedTSP(TrainConfig(batch_size=8, num_clients=2), opts, dp)
+    assert method.needs().server_classnames is False
     server_env = method.build_env(EnvSpec(ModelSpec(), _Guarded(names), dataset="digits"), role="server")
     assert server_env.text is None and server_env.classnames == []
     shared = method.init_shared(server_env, torch.Generator().manual_seed(0))
-    assert float(shared["text_ready"]) == 0 and float(shared["text_request"]) == 1
+    assert "text_protos" not in shared  # no P^T before the release
 
     client_env = method.build_env(EnvSpec(ModelSpec(), names, dataset="digits"), role="client")
+    rounds = 3
+    host = HostPrivacy(dp=dp, method=method, seed=1, batch_size=8, releases_per_client=lambda cid: rounds)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(12, 3, 32, 32)
     y = torch.tensor([0, 1, 2] * 4)
     data = ClientData(0, x, y, x[:3], y[:3], 3)
     private = method.init_private(client_env, data, g)
-    res = method.local_train(client_env, shared, private, data, rng=g, privacy=None)
-    up = res.upload
-    assert {"text_emb", "text_aux", "text_class"} <= set(up) and up["text_class"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
-    ledger = PrivacyLedger.from_dict(res.private["ledger"])
-    assert ledger.epsilon() == pytest.approx(2.0) and ledger.releases[0].mechanism == "embedding"
-    sigma = gaussian_sigma(epsilon=2.0, delta=1e-5, clip=2.5)
-    assert float(up["text_emb"].std()) == pytest.approx(sigma, rel=0.05)  # the clipped signal is tiny next to it
-    # a client that is not the selected one releases nothing
+    handle = host.open(0, 0, data.num_train, shared)
+    res = method.local_train(client_env, shared, private, data, rng=g, privacy=handle)
+    up = handle.close(res.upload)
+    assert set(up) == {"protos", "counts", "text_emb"}  # no lengths, EOT positions or class indices
+    # 3 descriptions per class, every sequence at the fixed release length (77 for BERT)
+    assert up["text_emb"].shape[:2] == (9, 77)
+    ledger = host.ledger(0)
+    assert [r.mechanism for r in ledger.releases] == ["igpp", "embedding"]
+    z = host.multiplier(0, data.num_train)
+    # the client's whole run: 1 embedding release + 3 prototype releases at the common multiplier z;
+    # after round 0 it has spent 2 of those 4 compositions, as Opacus computes it directly
+    assert ledger.epsilon() == pytest.approx(epsilon_spent([(z, 1.0, 2)], delta=1e-5, accountant="rdp"), rel=1e-9)
+    assert epsilon_spent([(z, 1.0, 4)], delta=1e-5) == pytest.approx(2.0, abs=0.011)  # calibrated to the target
+    # the noise on the embeddings is N(0, (2 C z)^2): the clipped signal (norm <= C = 2.5) is tiny next to it
+    assert float(up["text_emb"].std()) == pytest.approx(2 * 2.5 * z, rel=0.02)
+    # a client that is not the selected one releases no text
     other = ClientData(1, x, y, x[:3], y[:3], 3)
-    res1 = method.local_train(client_env, shared, method.init_private(client_env, other, g), other, rng=g, privacy=None)
-    assert set(res1.upload) == {"protos", "counts"}
-    # the server builds its text side from the release alone, trains, and stops asking
-    uploads = [Upload(0, up, 12), Upload(1, res1.upload, 12)]
+    h1 = host.open(1, 0, other.num_train, shared)
+    up1 = h1.close(method.local_train(client_env, shared, method.init_private(client_env, other, g), other, rng=g,
+                                      privacy=h1).upload)
+    assert set(up1) == {"protos", "counts"}
+    # the server builds its text side from the release alone, trains, and keeps the release server-side
+    uploads = [Upload(0, up, 12), Upload(1, up1, 12)]
     new = method.aggregate(server_env, shared, uploads, torch.Generator().manual_seed(1))
-    assert server_env.text is not None and float(new["text_ready"]) == 1 and float(new["text_request"]) == 0
-    assert new["text_protos"].shape == (3, 384) and math.isfinite(float(new["server_loss"]))
-    assert not torch.equal(new["prompts"], shared["prompts"])
+    assert server_env.text is not None and new.state["text_protos"].shape == (3, 384)
+    assert math.isfinite(new.metrics["loss"]) and not torch.equal(new.state["prompts"], shared["prompts"])
+    assert "text_release" in method.server_only
     # the next round: the client trains against P^T and does not release again
-    res2 = method.local_train(client_env, new, res.private, data, rng=g, privacy=None)
-    assert set(res2.upload) == {"protos", "counts"}
+    broadcast = {k: v for k, v in new.state.items() if k not in method.server_only}
+    h2 = host.open(0, 1, data.num_train, broadcast)
+    up2 = h2.close(method.local_train(client_env, broadcast, res.private, data, rng=g, privacy=h2).upload)
+    assert set(up2) == {"protos", "counts"}
+    assert [r.mechanism for r in ledger.releases] == ["igpp", "embedding", "igpp"]
+
+
+def test_private_variant_end_to_end_shows_its_epsilon(tmp_path):
+    """fedtsp with dp.epsilon: the epsilon lands in results.csv; what the server saw is only the noised
+    release and the class means / counts; the old fedtsp.dp_epsilon key is refused with the new name."""
+    import csv
+
+    from raysim.config import build_config
+    from raysim.engine import run
+    from raysim.errors import ConfigError
+    from raysim.store import StateStore
+
+    with pytest.raises(ConfigError, match="dp.epsilon"):
+        build_config({"method": "fedtsp", "fedtsp": {"dp_epsilon": 1.0}})
+    cfg = build_config({
+        "method": "fedtsp", "dataset": "digits", "shots": 8, "model": "raysim-tiny", "pretrained": "",
+        "num_clients": 3, "rounds": 2, "backend": "inline", "out_dir": str(tmp_path / "run"), "progress": False,
+        "tensorboard": False, "cache_dir": str(tmp_path / "c"), "record_uploads": True,
+        "dp": {"epsilon": 2.0}, "fedtsp": {"plm": "clip", "model_family": "tiny"},
+    })
+    res = run(cfg)
+    rows = list(csv.DictReader(open(res.out_dir / "results.csv")))
+    eps = [float(r["epsilon_max"]) for r in rows]
+    assert 0 < eps[0] < eps[1] <= 2.0 * (1 + 1e-6) and eps[1] > 0.95 * 2.0
+    store = StateStore(res.out_dir)
+    seen = store.load_uploads(0)["uploads"]
+    assert set(seen[0]) == {"protos", "counts", "text_emb"} and all(set(seen[c]) == {"protos", "counts"} for c in (1, 2))
+    assert set(store.load_uploads(1)["uploads"][0]) == {"protos", "counts"}
 
 
 # ------------------------------------------------------------------------------------- end to end
@@ -235,8 +284,11 @@ def test_fedtsp_end_to_end(tmp_path, plm):
     from raysim.store import StateStore
 
     server = StateStore(res.out_dir).load_server(1)  # the server trained its prompts and temperature
-    assert math.isfinite(float(server["server_loss"])) and float(server["text_ready"]) == 1
     assert server["text_protos"].shape == (10, 384 if plm == "bert" else 128)
+    import csv
+
+    losses = [float(r["server_loss"]) for r in csv.DictReader(open(res.out_dir / "results.csv"))]
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
 
 
 @pytest.mark.parametrize("method,section", [
