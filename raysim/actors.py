@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from raysim.config import RunConfig
+from raysim.data.federation import FederationData
 from raysim.errors import UploadViolation
 from raysim.methods import ClientData, EnvSpec, Method, TrainConfig, Upload, get_method
 from raysim.methods.base import ServerResult
@@ -28,35 +27,6 @@ from raysim.sampling import generator, schedule
 from raysim.store import StateStore
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class FederationData:
-    """Inputs of every client (features or images), labels, and the partition (numpy, zero-copy in Ray)."""
-
-    x_train: np.ndarray
-    y_train: np.ndarray
-    x_test: np.ndarray
-    y_test: np.ndarray
-    train_idx: list[np.ndarray]
-    test_idx: list[np.ndarray]
-    classnames: list[str]
-    tok_train: Optional[np.ndarray] = None  # image-tower tokens (N, K, width), for "features+tokens" methods
-    tok_test: Optional[np.ndarray] = None
-
-    @property
-    def num_clients(self) -> int:
-        return len(self.train_idx)
-
-    def client(self, cid: int) -> ClientData:
-        """Client `cid`'s slice as the method sees it (tensors; the arrays themselves are not copied)."""
-        tr, te = torch.as_tensor(self.train_idx[cid]), torch.as_tensor(self.test_idx[cid])
-        xtr, ytr, xte, yte = (_as_tensor(a) for a in (self.x_train, self.y_train, self.x_test, self.y_test))
-        ttr, tte = (None if a is None else _as_tensor(a) for a in (self.tok_train, self.tok_test))
-        return ClientData(
-            cid, xtr[tr], ytr[tr], xte[te], yte[te], len(self.classnames),
-            tokens_train=None if ttr is None else ttr[tr], tokens_test=None if tte is None else tte[te],
-        )
 
 
 @dataclass
@@ -109,12 +79,6 @@ def broadcast_state(method: Method, state: dict[str, torch.Tensor]) -> dict[str,
     return {k: v for k, v in state.items() if not any(k == h or k.startswith(h + ".") for h in hidden)}
 
 
-def _as_tensor(a: np.ndarray) -> torch.Tensor:
-    with warnings.catch_warnings():  # arrays from Ray's object store are read-only; we never write them
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(a)
-
-
 def check_upload(method: Method, client_id: int, upload: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Only tensors the method declares as shared reach the server (the client host checked them, with
     their releases, in privacy/host.py; the server checks the names again)."""
@@ -143,20 +107,12 @@ class ClientHost:
         spec = env_spec(cfg, data.classnames)
         self.device = torch.device(spec.device)
         self.env = self.method.build_env(spec, role="client")
-        xte, yte = _as_tensor(data.x_test), _as_tensor(data.y_test)
-        tte = None if data.tok_test is None else _as_tensor(data.tok_test)
         self.num_classes = len(data.classnames)
         self.clients = sorted(client_ids)
         self.data: dict[int, ClientData] = {cid: data.client(cid) for cid in self.clients}
-        # evaluation inputs: every client's test set, and who owns which row (Cross-Client, SPEC 1.10)
-        self.test_owner = np.full(len(data.y_test), -1, dtype=np.int64)
-        for cid, te in enumerate(data.test_idx):
-            self.test_owner[te] = cid
-        used = self.test_owner >= 0
-        rows = slice(None) if used.all() else torch.as_tensor(used)  # all rows: no copy (tokens can be GBs)
-        self.eval_x, self.eval_y = xte[rows], yte[rows]
-        self.eval_t = None if tte is None else tte[rows]
-        self.eval_owner = self.test_owner[used]
+        from raysim.evaluation import PROTOCOLS
+
+        self.protocol = PROTOCOLS.get(cfg.evaluation)(data, batch_size=cfg.test_batch_size)
         self.store = StateStore(out_dir)
         self.private: dict[int, dict[str, Any]] = {}
         self.dirty: set[int] = set()
@@ -218,39 +174,12 @@ class ClientHost:
 
     @torch.no_grad()
     def evaluate(self, shared: dict[str, torch.Tensor], client_ids: Optional[list[int]] = None) -> list[dict[str, Any]]:
-        """In-Client (own test split) and Cross-Client (all other clients' test splits) accuracy."""
+        """Each client's model (the method's predictor) scored by the run's evaluation protocol."""
         shared = {k: v.to(self.device) for k, v in shared.items()}
         out = []
-        bs = self.cfg.test_batch_size
         for cid in sorted(client_ids if client_ids is not None else self.clients):
             predict = self.method.predictor(self.env, shared, self._private(cid), self.data[cid])
-            top1, top5 = [], []
-            for i in range(0, len(self.eval_y), bs):
-                inputs = (self.eval_x[i : i + bs],) + (() if self.eval_t is None else (self.eval_t[i : i + bs],))
-                logits = predict(*inputs).float().cpu()
-                y = self.eval_y[i : i + bs]
-                top1.append(logits.argmax(-1) == y)
-                k = min(5, logits.shape[-1])
-                top5.append((logits.topk(k, dim=-1).indices == y[:, None]).any(-1))
-            correct, correct5 = torch.cat(top1).numpy(), torch.cat(top5).numpy()
-            own = self.eval_owner == cid
-            n_in, n_cross = int(own.sum()), int((~own).sum())
-
-            def acc(mask: np.ndarray, hits: np.ndarray) -> float:
-                return float(hits[mask].mean()) if mask.any() else math.nan
-
-            out.append(
-                {
-                    "client": cid,
-                    "in_client": acc(own, correct),
-                    "cross_client": acc(~own, correct),
-                    "in_top5": acc(own, correct5),
-                    "cross_top5": acc(~own, correct5),
-                    "n_in": n_in,
-                    "n_cross": n_cross,
-                    "epsilon": self.epsilon(cid),
-                }
-            )
+            out.append({"client": cid, **self.protocol.score(cid, predict), "epsilon": self.epsilon(cid)})
         return out
 
     def commit(self, round_idx: int) -> None:

@@ -84,6 +84,7 @@ class RunConfig:
     n_ctx: int = 4  # learned context tokens of the CoOp prompt learner (the papers use 16 with ViT-B/16)
     ctx_init: str = "a photo of a"  # PromptFL starts its context from this phrase (n_ctx tokens); "" = random
     # evaluation (SPEC 1.10: every eval_every rounds plus each of the last eval_last rounds)
+    evaluation: str = "in_cross"  # the evaluation protocol (raysim/evaluation.py): in_cross = In / Cross-Client
     eval_every: int = 5
     eval_last: int = 5
     # execution
@@ -314,6 +315,9 @@ def validate(cfg: RunConfig) -> None:
     cfg.dataset = cfg.dataset.lower()
     _check(cfg.partition in PARTITIONS, f"partition must be one of {', '.join(PARTITIONS)}, got {cfg.partition!r}")
     _check(cfg.backend in BACKENDS, f"backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
+    from raysim.evaluation import PROTOCOLS
+
+    _check(cfg.evaluation in PROTOCOLS, f"evaluation must be one of {', '.join(PROTOCOLS.names())}, got {cfg.evaluation!r}")
     _check(cfg.placement in PLACEMENTS, f"placement must be one of {', '.join(PLACEMENTS)}, got {cfg.placement!r}")
     _check(cfg.beta > 0 and math.isfinite(cfg.beta), f"beta must be a positive number, got {cfg.beta}")
     _check(cfg.shots >= 0, f"shots must be >= 0 (0 = use all training images), got {cfg.shots}")

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from raysim.actors import FederationData
+from raysim.data.federation import FederationData
 from raysim.config import RunConfig, build_config, load_yaml
 from raysim.errors import ConfigError
 from raysim.metrics import RunLogger, harmonic_mean, summarize, summary_table

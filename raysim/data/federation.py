@@ -1,0 +1,49 @@
+"""What every client host reads: the inputs of all clients (features or images), the labels and the
+partition, as numpy arrays (zero-copy in Ray's object store), and each client's slice of it."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from raysim.methods.base import ClientData
+
+
+@dataclass
+class FederationData:
+    """Inputs of every client (features or images), labels, and the partition (numpy, zero-copy in Ray)."""
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    train_idx: list[np.ndarray]
+    test_idx: list[np.ndarray]
+    classnames: list[str]
+    tok_train: Optional[np.ndarray] = None  # image-tower tokens (N, K, width), for "features+tokens" methods
+    tok_test: Optional[np.ndarray] = None
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.train_idx)
+
+    def client(self, cid: int) -> ClientData:
+        """Client `cid`'s slice as the method sees it (tensors; the arrays themselves are not copied)."""
+        tr, te = torch.as_tensor(self.train_idx[cid]), torch.as_tensor(self.test_idx[cid])
+        xtr, ytr, xte, yte = (as_tensor(a) for a in (self.x_train, self.y_train, self.x_test, self.y_test))
+        ttr, tte = (None if a is None else as_tensor(a) for a in (self.tok_train, self.tok_test))
+        return ClientData(
+            cid, xtr[tr], ytr[tr], xte[te], yte[te], len(self.classnames),
+            tokens_train=None if ttr is None else ttr[tr], tokens_test=None if tte is None else tte[te],
+        )
+
+
+
+def as_tensor(a: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():  # arrays from Ray's object store are read-only; we never write them
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
