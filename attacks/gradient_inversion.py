@@ -92,44 +92,9 @@ class PromptGradient:
         return observed - self.offset
 
 
-@dataclass
-class _PromptParts:
-    """A prompt method's loss split at its text features: text(theta) -> T (no image in it), then
-    head(theta, T, features) -> logits; `separable` when head reads theta only through T. `text_state`:
-    the client's private tensors `text` reads besides theta (FedSEPT's R; not the router, which only
-    head reads)."""
-
-    name: str
-    text: Callable[[Tensor], Tensor]
-    head: Callable[[Tensor, Tensor, Tensor], Tensor]
-    regulariser: Callable[[Tensor], Tensor]
-    separable: bool
-    text_state: tuple[Tensor, ...] = ()
-
-
-def _prompt_parts(method: Any, env: Any, private: dict[str, Any]) -> _PromptParts:
-    if method.name == "promptfl":
-        return _PromptParts(
-            "ctx", env.prompts.text_features, lambda ctx, T, feats: method.logits(env, feats, T),
-            lambda ctx: ctx.sum() * 0, separable=True,
-        )
-    if method.name == "fedsept":
-        from raysim.models.fedsept_modules import diversity_loss, expert_prompts
-
-        if method.patch_router:
-            raise ConfigError("gradient inversion reads pooled image features only; attack a run with fedsept.router=pooled")
-        o = method.opts
-        R = private["R"].to(env.device) if method.has_residual else None
-        router = method._router(env, torch.Generator(), private["router"]).eval().requires_grad_(False) if method.has_router else None
-        return _PromptParts(
-            "A",
-            lambda A: env.prompts.text_features(expert_prompts(A, method.M, method.basis(env), R)),
-            lambda A, T, feats: method.forward(env, A, R, router, feats, T)[0],
-            lambda A: o.lambda_div * diversity_loss(A, method.M, o.div_reduction),
-            separable=o.fusion == "logit",  # FedSEPT-PF fuses prompts per image: no image-free text features
-            text_state=() if R is None else (R,),
-        )
-    raise ConfigError(f"gradient inversion supports the prompt methods promptfl and fedsept, not {method.name!r}")
+def _prompt_parts(method: Any, env: Any, private: dict[str, Any]) -> Any:
+    """The method's declared split of its loss at the text features (Method.loss_parts)."""
+    return method.loss_parts(env, private)
 
 
 def jacobian(f: Callable[[Tensor], Tensor], x: Tensor, *, chunk: int = 32) -> Tensor:
@@ -173,7 +138,7 @@ class TextJacobianCache:
             h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         return h.hexdigest()
 
-    def get(self, method: Any, env: Any, parts: _PromptParts, theta: Tensor, compute: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    def get(self, method: Any, env: Any, parts: Any, theta: Tensor, compute: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
         key = (id(method), id(env), parts.name, self.digest(theta), len(parts.text_state), self.digest(*parts.text_state))
         hit = self._entries.get(key)
         if hit is not None and hit[0] is method and hit[1] is env:

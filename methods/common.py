@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -26,6 +27,21 @@ def sgd(params: Iterable[Tensor], train, **overrides) -> torch.optim.Optimizer:
     return torch.optim.SGD(list(params), **kw)
 
 
+@dataclass
+class PromptLossParts:
+    """A prompt method's loss split at its text features, the hook the gradient-inversion attack calls:
+    text(theta) -> T (no image in it), then head(theta, T, features) -> logits; `separable` when head
+    reads theta only through T. `name`: the uploaded tensor theta is; `text_state`: the client's private
+    tensors `text` reads besides theta (FedSEPT's R); `regulariser`: the data-independent loss on theta."""
+
+    name: str
+    text: Callable[[Tensor], Tensor]
+    head: Callable[[Tensor, Tensor, Tensor], Tensor]
+    regulariser: Callable[[Tensor], Tensor]
+    separable: bool
+    text_state: tuple[Tensor, ...] = ()
+
+
 class ClipPromptMethod(Method):
     """Base of the CLIP prompt-tuning methods: clients see frozen image features, the env holds the
     frozen text tower and the CoOp prompts, and logits are s * <v(x), t_c> (SPEC 1.1)."""
@@ -41,3 +57,9 @@ class ClipPromptMethod(Method):
     @staticmethod
     def logits(env, image_features: Tensor, text_features: Tensor) -> Tensor:
         return env.logit_scale * image_features @ text_features.t()
+
+    def loss_parts(self, env, private) -> PromptLossParts:
+        """The attack hook (attacks/gradient_inversion.py); methods that upload a prompt declare it."""
+        from raysim.errors import ConfigError
+
+        raise ConfigError(f"{self.name} does not declare loss_parts, so gradient inversion cannot attack it")

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, LocalResult, Needs, register_method
-from raysim.methods.common import ClipPromptMethod, sgd, weighted_mean
+from raysim.methods.common import ClipPromptMethod, PromptLossParts, sgd, weighted_mean
 from raysim.models.fedsept_modules import (
     add_grads,
     diversity_loss,
@@ -234,3 +234,19 @@ class FedSEPT(ClipPromptMethod):
             return self.forward(env, A, R, router, feats.to(env.device), text, tokens)[0]
 
         return predict
+
+    def loss_parts(self, env, private) -> PromptLossParts:
+        """The loss split at the expert text features, for the gradient-inversion attack (pooled router)."""
+        if self.patch_router:
+            raise ConfigError("gradient inversion reads pooled image features only; attack a run with fedsept.router=pooled")
+        o = self.opts
+        R = private["R"].to(env.device) if self.has_residual else None
+        router = self._router(env, torch.Generator(), private["router"]).eval().requires_grad_(False) if self.has_router else None
+        return PromptLossParts(
+            "A",
+            lambda A: env.prompts.text_features(expert_prompts(A, self.M, self.basis(env), R)),
+            lambda A, T, feats: self.forward(env, A, R, router, feats, T)[0],
+            lambda A: o.lambda_div * diversity_loss(A, self.M, o.div_reduction),
+            separable=o.fusion == "logit",  # FedSEPT-PF fuses prompts per image: no image-free text features
+            text_state=() if R is None else (R,),
+        )

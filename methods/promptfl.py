@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from raysim.methods.base import ClientData, LocalResult, register_method
-from raysim.methods.common import ClipPromptMethod, sgd, weighted_mean
+from raysim.methods.common import ClipPromptMethod, PromptLossParts, sgd, weighted_mean
 from raysim.privacy.mechanisms import dpsgd
 
 
@@ -51,3 +51,7 @@ class PromptFL(ClipPromptMethod):
         with torch.no_grad():
             text = env.prompts.text_features(shared["ctx"].to(env.device))
         return lambda feats: self.logits(env, feats.to(env.device), text)
+
+    def loss_parts(self, env, private) -> PromptLossParts:
+        return PromptLossParts("ctx", env.prompts.text_features, lambda ctx, T, feats: self.logits(env, feats, T),
+                               lambda ctx: ctx.sum() * 0, separable=True)
