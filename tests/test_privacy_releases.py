@@ -260,3 +260,14 @@ def test_no_loss_or_metric_reaches_the_server(tmp_path, cache_dir, monkeypatch):
     rows = list(csv.DictReader(open(res.out_dir / "results.csv")))
     assert {"train_ce", "train_div", "train_gate"} <= set(rows[0])  # the loss terms went to the driver instead
     assert math.isfinite(float(rows[0]["train_ce"]))
+
+
+def test_readme_mechanism_table_is_the_registry():
+    from pathlib import Path
+
+    from raysim.privacy.mechanisms import mechanism_table
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for r in mechanism_table():
+        row = f"| `{r['mechanism']}` | {r['clipped']} | {r['sensitivity']} | {r['relation']} | {r['accountant']} |"
+        assert row in readme, f"README's mechanism table is out of date for {r['mechanism']}"
