@@ -109,15 +109,23 @@ def test_uploads_are_checked_against_the_declared_tensors():
         check_upload(method, 3, {"ctx": [1.0]})
 
 
-def test_dp_promptfl_stays_within_budget(tmp_path, cache_dir):
+def test_dp_promptfl_spends_close_to_its_budget(tmp_path, cache_dir):
+    """Each client is calibrated for the rounds it takes part in: by the end it has spent its target
+    (within Opacus' calibration tolerance 0.01), never more; results.csv carries the maximum."""
+    from raysim.sampling import schedule
+
     cfg = tiny_config(tmp_path, cache_dir, rounds=2, participation=0.5, **{"dp": {"epsilon": 2.0}})
     out = run(cfg).out_dir
+    took_part = {c for p in schedule(cfg.seed, 2, cfg.num_clients, 0.5) for c in p}
     rows = read_rows(out / "client_results.csv")
-    eps = [float(r["epsilon"]) for r in rows if r["round"] == "1"]
-    assert all(0 < e <= 2.0 + 1e-6 for e in eps if e > 0)
-    assert any(e > 0 for e in eps)
+    final = {int(r["client"]): float(r["epsilon"]) for r in rows if r["round"] == "1"}
+    for c, e in final.items():
+        if c in took_part:
+            assert 2.0 - 0.011 <= e <= 2.0 * (1 + 1e-6), (c, e)
+        else:
+            assert e == 0.0
     last = read_rows(out / "results.csv")[-1]
-    assert 0 < float(last["epsilon_max"]) <= 2.0 + 1e-6
+    assert float(last["epsilon_max"]) == pytest.approx(max(final.values()), rel=1e-9)
 
 
 def test_eval_schedule_matches_spec():
@@ -161,11 +169,20 @@ def test_run_stops_before_a_release_past_the_budget(tmp_path, cache_dir):
 
 
 def test_client_level_dp_noises_the_update_and_records_it(tmp_path, cache_dir):
-    cfg = tiny_config(tmp_path, cache_dir, rounds=2, **{"dp": {"epsilon": 4.0, "level": "client", "clip": 0.1}})
+    """dp.level=client: what the server saw is the broadcast plus an update far larger than the clip
+    (the clipped update has norm <= 0.1; the noise, std 2 sigma C per coordinate, dominates it), and the
+    ledger spends the target over the run."""
+    from raysim.store import StateStore
+
+    cfg = tiny_config(tmp_path, cache_dir, rounds=2, record_uploads=True, **{"dp": {"epsilon": 4.0, "level": "client", "clip": 0.1}})
     out = run(cfg).out_dir
+    rec = StateStore(out).load_uploads(1)
+    for cid, up in rec["uploads"].items():
+        delta = (up["ctx"] - rec["pre"]["ctx"]).norm()
+        assert float(delta) > 10 * 0.1, cid
     rows = read_rows(out / "client_results.csv")
     eps = [float(r["epsilon"]) for r in rows if r["round"] == "1"]
-    assert all(0 < e <= 4.0 + 1e-6 for e in eps)
+    assert all(4.0 - 0.011 <= e <= 4.0 * (1 + 1e-6) for e in eps)
 
 
 def test_prompt_learner_through_a_hugging_face_text_tower(tmp_path):
