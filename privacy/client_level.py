@@ -1,6 +1,6 @@
-"""User-level DP for FedAvg-style updates: clip the whole model delta to C jointly over all tensors,
-add N(0, (sigma C)^2) to every coordinate, account one sampled-Gaussian step per participated round
-with sampling rate = participation fraction."""
+"""User-level DP for FedAvg-style updates: clip the whole model delta to C jointly over all tensors and
+add N(0, (sigma C)^2) to every coordinate. The `client_update` mechanism (privacy/mechanisms.py) calls
+this with sigma = 2 x its multiplier, because the replace-one sensitivity of a clipped update is 2C."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ from torch import Tensor
 
 from raysim.errors import ConfigError
 
-from .accountant import noise_multiplier
-from .ledger import Release
 
 
 def update_norm(update: dict[str, Tensor]) -> float:
@@ -42,12 +40,3 @@ def noise_update(update: dict[str, Tensor], *, clip: float, sigma: float, genera
         z = torch.randn(t.shape, generator=generator, device=dev, dtype=torch.float32)
         out[k] = t + (sigma * clip * z).to(device=t.device, dtype=t.dtype)
     return {k: out[k] for k in update}
-
-
-def client_level_sigma(*, epsilon: float, delta: float, participation: float, rounds: int, accountant: str = "rdp") -> float:
-    """Multiplier for `rounds` sampled-Gaussian steps at rate `participation`."""
-    return noise_multiplier(epsilon=epsilon, delta=delta, sample_rate=participation, steps=rounds, accountant=accountant)
-
-
-def client_level_release(sigma: float, *, participation: float, round: int) -> Release:
-    return Release("client_level", float(sigma), float(participation), 1, round)

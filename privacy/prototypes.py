@@ -19,7 +19,6 @@ from torch import Tensor
 from raysim.errors import ConfigError
 
 from .accountant import gaussian_rdp_sigma
-from .ledger import Release
 
 # ---------------------------------------------------------------------------------------- helpers
 
@@ -92,7 +91,7 @@ def igpp_release(
     (or per-cluster centres when `assignments` is given), noise N(0, (sigma * 2R/n)^2 I) per centre.
 
     Returns class -> noisy prototype (d,), or (K_c, d) centres when `assignments` is given. Calibrate
-    `sigma` with `igpp_sigma` (full epsilon, SPEC 3.2 items 8-9)."""
+    `sigma` through the ledger's accountant (privacy/host.py does it for runs)."""
     _check_xy(features, labels)
     if not clip > 0:
         raise ConfigError(f"clip must be > 0, got {clip}")
@@ -106,11 +105,6 @@ def igpp_release(
             cents = cents + (_randn(tuple(cents.shape), generator, cents) * std).to(cents.dtype)
         out[c] = _pack(cents, assignments is not None)
     return out
-
-
-def igpp_sigma(*, epsilon: float, delta: float, rounds: int) -> float:
-    """IGPP noise multiplier: the full epsilon over `rounds` Gaussian releases."""
-    return gaussian_rdp_sigma(epsilon=epsilon, delta=delta, releases=rounds)
 
 
 # -------------------------------------------------------------------------------------------- VPP
@@ -292,19 +286,3 @@ def vpp_release(
         "epsilon2": eps2,
         "scores": scores,
     }
-
-
-# ------------------------------------------------------------------------------- ledger entries
-
-
-def vpp_ledger_releases(out: dict[str, Any], *, rounds: int, round: int) -> list[Release]:
-    """The two ledger entries one VPP round costs: the Laplace top-k partition (pure epsilon1 / T)
-    and the Gaussian release (sigma_ref relative to the sensitivity, q = 1, one step)."""
-    return [
-        Release("vpp_topk", 0.0, 1.0, 1, round, epsilon=out["epsilon1"] / rounds),
-        Release("vpp", float(out["sigma_ref"]), 1.0, 1, round),
-    ]
-
-
-def igpp_ledger_release(sigma: float, *, round: int) -> Release:
-    return Release("igpp", float(sigma), 1.0, 1, round)

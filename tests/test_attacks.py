@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from raysim.attacks import prototype_mia, roc_metrics
-from raysim.privacy import igpp_release, igpp_sigma
+from raysim.privacy import calibrate_multiplier, igpp_release
 
 
 def test_roc_metrics_agree_with_sklearn():
@@ -35,7 +35,7 @@ def test_clean_prototypes_leak_membership_and_ldp_blunts_it():
     clean = igpp_release(xm, ym, clip=1e6, sigma=0.0, generator=torch.Generator().manual_seed(1))
     leak = prototype_mia(xm, ym, xn, yn, clean)
     assert leak.auc > 0.9 and leak.advantage > 0.5
-    sigma = igpp_sigma(epsilon=1.0, delta=1e-5, rounds=20)
+    sigma = calibrate_multiplier(epsilon=1.0, delta=1e-5, plan=[(1.0, 20)])  # IGPP over 20 rounds
     aucs = []
     for s in range(5):
         noisy = igpp_release(xm, ym, clip=5.0, sigma=sigma, generator=torch.Generator().manual_seed(s))

@@ -105,19 +105,6 @@ def test_ledger_pure_epsilon_and_roundtrip():
     assert led2.target_epsilon == 1.0 and led2.delta == 1e-5 and led2.accountant == "rdp"
 
 
-def test_vpp_full_schedule_fits_budget():
-    from raysim.privacy import vpp_ledger_releases
-
-    T, eps = 20, 1.0
-    out = {"epsilon1": 0.1 * eps, "sigma_ref": gaussian_rdp_sigma(epsilon=0.9 * eps, delta=1e-5, releases=T)}
-    led = PrivacyLedger(eps, 1e-5)
-    for r in range(T):
-        for rel in vpp_ledger_releases(out, rounds=T, round=r):
-            led.check(rel)
-            led.record(rel)
-    assert led.epsilon() <= eps
-
-
 def test_cli_noise_and_bad_input(capsys):
     assert cli.main(["noise", "--epsilon", "1", "--delta", "1e-5", "--sample-rate", "0.2", "--steps", "250"]) == 0
     out = capsys.readouterr().out.strip()

@@ -8,12 +8,10 @@ from raysim.privacy import (
     clip_update,
     discriminativeness_scores,
     gaussian_rdp_sigma,
-    gaussian_sigma,
     group_clip,
     igpp_release,
     noise_update,
     private_topk_partition,
-    release_embeddings,
     vpp_release,
     vpp_sigmas,
 )
@@ -121,16 +119,6 @@ def test_vpp_release_noise_per_group():
     cl = vpp_release(z, y, R=5.0, rho=0.3, H=0.1, epsilon=1.0, rounds=20, delta=1e-5, generator=_gen(9),
                      centres="cluster", assignments=assign)
     assert cl["prototypes"][0].shape == (2, d) and cl["counts"][0].tolist() == [5, 15]
-
-
-def test_embedding_release():
-    assert gaussian_sigma(epsilon=1.0, delta=1e-5, clip=2.5) == pytest.approx(24.2, abs=0.05)
-    emb = torch.randn(8, 77, 64, generator=_gen(10)) * 3
-    out = release_embeddings(emb, clip=2.5, epsilon=4.0, delta=1e-5, generator=_gen(11))
-    assert out.shape == emb.shape
-    clipped = emb.reshape(-1) * min(1.0, 2.5 / emb.norm().item())
-    assert (out.reshape(-1) - clipped).std().item() == pytest.approx(gaussian_sigma(epsilon=4.0, delta=1e-5, clip=2.5), rel=0.02)
-    torch.testing.assert_close(release_embeddings(emb, clip=2.5, epsilon=math.inf, delta=1e-5, generator=None), emb)
 
 
 def test_client_level_update():
