@@ -125,7 +125,8 @@ class ClientHost:
             saved = self.store.load_client(cid, resume_round) if resume_round >= 0 else None
             if saved is not None:
                 self.private[cid] = saved["private"]
-                self.privacy.load(cid, saved.get("privacy"))
+                legacy = {"multiplier": saved.get("sigma"), "ledger": saved.get("ledger")}  # checkpoints before declared releases
+                self.privacy.load(cid, saved.get("privacy", legacy))
 
     def _participation_counts(self) -> dict[int, int]:
         sched = schedule(self.cfg.seed, self.cfg.rounds, self.cfg.num_clients, self.cfg.participation)
