@@ -201,6 +201,50 @@ def vpp_sigmas(sigma_ref: float, d: int, d_A: int) -> tuple[float, float]:
     return sigma_ref / math.sqrt(wA), sigma_ref / math.sqrt(wB)
 
 
+def _check_vpp_args(features: Tensor, labels: Tensor, *, centres: str, assignments: Tensor | None, rho: float,
+                    r_split: float, R: float, epsilon: float) -> None:
+    _check_xy(features, labels)
+    if centres not in ("mean", "cluster"):
+        raise ConfigError(f"centres must be 'mean' or 'cluster', got {centres!r}")
+    if centres == "cluster" and assignments is None:
+        raise ConfigError("centres='cluster' needs per-example cluster assignments")
+    if not rho > 0:
+        raise ConfigError(f"rho must lie in (0, 0.5], got {rho}")
+    if not (0 < r_split < 1):
+        raise ConfigError(f"r_split must lie in (0, 1), got {r_split}")
+    if not R > 0:
+        raise ConfigError(f"R must be > 0, got {R}")
+    if not epsilon > 0:
+        raise ConfigError(f"epsilon must be > 0, got {epsilon}")
+    if features.shape[1] < 2:
+        raise ConfigError("VPP needs feature dimension >= 2")
+
+
+def _vpp_coordinate_multipliers(d: int, idx_A: Tensor, idx_B: Tensor, sigma_A: float, sigma_B: float) -> Tensor:
+    """Per-coordinate noise multiplier: sigma_A kappa_A on I_A, sigma_B kappa_B on I_B (times Delta = 2R/n_k)."""
+    kA, kB = group_kappas(d, int(idx_A.numel()))
+    coord = torch.empty(d, dtype=torch.float64)
+    coord[idx_A.cpu()] = sigma_A * kA
+    coord[idx_B.cpu()] = sigma_B * kB
+    return coord
+
+
+def _noisy_centres(clipped: Tensor, labels: Tensor, assignments: Tensor | None, *, R: float, coord: Tensor | None,
+                   generator: torch.Generator | None) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
+    """Class means (or cluster centres) of the group-clipped features, each noised with std
+    (2R / n_k) * coord per coordinate (no noise when coord is None)."""
+    protos: dict[int, Tensor] = {}
+    counts_out: dict[int, Tensor] = {}
+    for c, (cents, counts) in _centres(clipped, labels, assignments).items():
+        if coord is not None:
+            delta_k = (2.0 * R / counts.double()).unsqueeze(1)  # (K_c, 1)
+            std = (delta_k * coord.unsqueeze(0)).to(cents.device)
+            cents = cents + (_randn(tuple(cents.shape), generator, cents) * std).to(cents.dtype)
+        protos[c] = _pack(cents, assignments is not None)
+        counts_out[c] = counts
+    return protos, counts_out
+
+
 def vpp_release(
     features: Tensor,
     labels: Tensor,
@@ -228,24 +272,9 @@ def vpp_release(
 
     Returns a dict: prototypes (class -> (d,) or (K_c, d)), counts (class -> (K_c,) member counts),
     idx_A, idx_B, sigma_ref, sigma_A, sigma_B, lambda, epsilon1, epsilon2, scores."""
-    _check_xy(features, labels)
-    if centres not in ("mean", "cluster"):
-        raise ConfigError(f"centres must be 'mean' or 'cluster', got {centres!r}")
-    if centres == "cluster" and assignments is None:
-        raise ConfigError("centres='cluster' needs per-example cluster assignments")
-    if not rho > 0:
-        raise ConfigError(f"rho must lie in (0, 0.5], got {rho}")
-    if not (0 < r_split < 1):
-        raise ConfigError(f"r_split must lie in (0, 1), got {r_split}")
-    if not R > 0:
-        raise ConfigError(f"R must be > 0, got {R}")
-    if not epsilon > 0:
-        raise ConfigError(f"epsilon must be > 0, got {epsilon}")
-    rho = min(float(rho), 0.5)
+    _check_vpp_args(features, labels, centres=centres, assignments=assignments, rho=rho, r_split=r_split, R=R, epsilon=epsilon)
     n, d = features.shape
-    if d < 2:
-        raise ConfigError("VPP needs feature dimension >= 2")
-    k = min(max(1, math.ceil(rho * d)), d - 1)
+    k = min(max(1, math.ceil(min(float(rho), 0.5) * d)), d - 1)  # rho clamped to 0.5 as in the code
     if num_classes is None:
         num_classes = int(labels.max()) + 1 if n else 0
     eps1 = r_split * epsilon
@@ -257,22 +286,9 @@ def vpp_release(
     if sigma_ref is None:
         sigma_ref = gaussian_rdp_sigma(epsilon=eps2, delta=delta, releases=rounds)
     sigma_A, sigma_B = vpp_sigmas(sigma_ref, d, k) if sigma_ref > 0 else (0.0, 0.0)
-    kA, kB = group_kappas(d, k)
-
-    # per-coordinate multiplier: sigma_A kappa_A on I_A, sigma_B kappa_B on I_B (times Delta = 2R/n_k)
-    coord = torch.empty(d, dtype=torch.float64)
-    coord[idx_A.cpu()] = sigma_A * kA
-    coord[idx_B.cpu()] = sigma_B * kB
-    clustered = assignments is not None
-    protos: dict[int, Tensor] = {}
-    counts_out: dict[int, Tensor] = {}
-    for c, (cents, counts) in _centres(clipped, labels, assignments).items():
-        if sigma_ref > 0:
-            delta_k = (2.0 * R / counts.double()).unsqueeze(1)  # (K_c, 1)
-            std = (delta_k * coord.unsqueeze(0)).to(cents.device)
-            cents = cents + (_randn(tuple(cents.shape), generator, cents) * std).to(cents.dtype)
-        protos[c] = _pack(cents, clustered)
-        counts_out[c] = counts
+    coord = _vpp_coordinate_multipliers(d, idx_A, idx_B, sigma_A, sigma_B)
+    protos, counts_out = _noisy_centres(clipped, labels, assignments, R=R, coord=coord if sigma_ref > 0 else None,
+                                        generator=generator)
     return {
         "prototypes": protos,
         "counts": counts_out,
