@@ -114,7 +114,7 @@ def _prompt_parts(method: Any, env: Any, private: dict[str, Any]) -> _PromptPart
             lambda ctx: ctx.sum() * 0, separable=True,
         )
     if method.name == "fedsept":
-        from raysim.models.fedsept_modules import diversity_loss, expert_prompts
+        from raysim.methods.fedsept_parts import diversity_loss, expert_prompts
 
         if method.patch_router:
             raise ConfigError("gradient inversion reads pooled image features only; attack a run with fedsept.router=pooled")

@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
-from raysim.descriptions import KEY, parse_descriptions
+from raysim.methods.fedtsp_descriptions import KEY, parse_descriptions
 from raysim.errors import ConfigError
 
 PROMPT = (

@@ -251,7 +251,7 @@ def test_baselines_end_to_end(tmp_path, method, section):
 
 # ------------------------------------------------------------------------------- semantic structure
 def test_semantic_measures_on_toy_hierarchy():
-    from raysim.semantics import hierarchy_paths, semantic_alignment, semantic_gap, semantic_report, wu_palmer
+    from raysim.methods.fedtsp_semantics import hierarchy_paths, semantic_alignment, semantic_gap, semantic_report, wu_palmer
 
     paths = [("animal", "mammal", "cat"), ("animal", "mammal", "dog"), ("animal", "bird"), ("vehicle", "car")]
     ref = wu_palmer(paths)
@@ -272,8 +272,8 @@ def test_semantic_measures_on_toy_hierarchy():
 def test_bundled_descriptions_cover_datasets():
     from raysim.data.synthetic import CLASS_POOL
     from raysim.data.digits import DIGIT_NAMES
-    from raysim.descriptions import class_prompts, load_descriptions
-    from raysim.semantics import CIFAR10_PATHS, CIFAR100_SUPERCLASSES
+    from raysim.methods.fedtsp_descriptions import class_prompts, load_descriptions
+    from raysim.methods.fedtsp_semantics import CIFAR10_PATHS, CIFAR100_SUPERCLASSES
 
     c100 = [c for cs in CIFAR100_SUPERCLASSES.values() for c in cs.split()]
     for ds, names in [("digits", DIGIT_NAMES), ("cifar10", list(CIFAR10_PATHS)), ("cifar100", c100),
@@ -290,7 +290,7 @@ def test_llm_description_client_against_local_fake_server(tmp_path):
     import threading
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
-    from raysim.descriptions import class_prompts
+    from raysim.methods.fedtsp_descriptions import class_prompts
     from raysim.llm_descriptions import generate_descriptions
 
     asked = []
