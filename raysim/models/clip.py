@@ -66,6 +66,8 @@ def load_clip(spec: ModelSpec, device: str | torch.device = "cpu") -> nn.Module:
     """Build an open_clip model in fp32, frozen and in eval mode."""
     import open_clip
 
+    from raysim.models.quiet import quiet_load
+
     register_builtin_configs()
     pretrained = spec.pretrained or None
     if pretrained and Path(pretrained).expanduser().is_dir():  # registers the folder's model config first
@@ -105,7 +107,7 @@ def load_clip(spec: ModelSpec, device: str | torch.device = "cpu") -> nn.Module:
             if not pretrained:  # open_clip warns that a random init is random; that is what was asked for
                 logging.disable(logging.WARNING)
             try:
-                with contextlib.redirect_stdout(io.StringIO()):
+                with contextlib.redirect_stdout(io.StringIO()), quiet_load():
                     model = open_clip.create_model(spec.model, pretrained=pretrained, device="cpu", precision="fp32")
             finally:
                 logging.disable(previous)
