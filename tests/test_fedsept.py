@@ -226,7 +226,9 @@ def test_options_are_validated_and_the_probe_is_inert_with_one_key():
     assert r.probe.grad.abs().sum() > 0
     pooled = Router(32, 4, heads=4, dropout=0.0, mode="pooled")
     pooled(torch.randn(3, 32)).pow(2).sum().backward()
-    assert pooled.probe.grad is None or pooled.probe.grad.abs().sum() == 0  # one key: u is inert
+    # one key: the attention weight is 1 and u is inert; torch's attention kernel leaves round-off (~1e-10
+    # against ~1e-3 with patch tokens) where the exact gradient is 0
+    assert pooled.probe.grad is None or pooled.probe.grad.abs().sum() < 1e-8
     with pytest.raises(ConfigError):
         r(torch.randn(3, 32))
 
