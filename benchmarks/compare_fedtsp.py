@@ -69,7 +69,7 @@ def semantic_structure(out_dir: Path, rounds: int, dataset: str, classnames: lis
     prototypes): Spearman rho against the class hierarchy and the semantic gap; None when the method
     keeps no global prototypes or the dataset has no known hierarchy."""
     from raysim.errors import ConfigError
-    from raysim.semantics import semantic_report
+    from raysim.methods.fedtsp_semantics import semantic_report
     from raysim.store import StateStore
 
     state = StateStore(out_dir).load_server(rounds - 1) or {}

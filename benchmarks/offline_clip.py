@@ -3,7 +3,7 @@
     python benchmarks/offline_clip.py [--checkpoint DIR] [--shots 64] [--n-ctx 4] [--epochs 30] [--seeds 0,1,2]
 
 By default the model is the shipped one (`raysim-clip`: frozen MiniLM text tower + small CNN image tower,
-assembled by `raysim.pretrain.bundled_checkpoint`); `--checkpoint DIR` uses a folder written by
+assembled by `raysim.models.bundled.bundled_checkpoint`); `--checkpoint DIR` uses a folder written by
 `raysim pretrain`. CoOp (Zhou et al., 2022) learns `n_ctx` shared context vectors that replace the word
 embeddings of "a photo of a" in "a photo of a {class}." (initialised from them), on `shots` training images
 per class drawn evenly over the domains from the `synthetic` train split; both towers stay frozen, so image
@@ -28,6 +28,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from raysim import pretrain as pt  # noqa: E402
+from raysim.models import bundled  # noqa: E402
 from raysim.data import synthetic as syn  # noqa: E402
 
 TEMPLATE = "a photo of a {}."
@@ -41,8 +42,8 @@ def load_model(checkpoint: str, cache_dir: str):
     if checkpoint:
         model, tok, _ = pt.load(checkpoint)
         return model, tok
-    name = pt.register_bundled()
-    model = open_clip.create_model(name, pretrained=str(pt.bundled_checkpoint(cache_dir)))
+    name = bundled.register_bundled()
+    model = open_clip.create_model(name, pretrained=str(bundled.bundled_checkpoint(cache_dir)))
     return model.eval(), open_clip.get_tokenizer(name)
 
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, LocalResult, Needs, register_method
 from raysim.methods.common import ClipPromptMethod, PromptLossParts, sgd, weighted_mean
-from raysim.models.fedsept_modules import (
+from raysim.methods.fedsept_parts import (
     add_grads,
     diversity_loss,
     expert_prompts,

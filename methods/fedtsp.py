@@ -156,7 +156,7 @@ class FedTSP(HeteroMethod):
                         double_embedding=self.opts.bert_double_embedding, device=env.device)
 
     def _prompt_texts(self, env: TSPEnv) -> list[list[str]]:
-        from raysim.descriptions import class_prompts
+        from raysim.methods.fedtsp_descriptions import class_prompts
 
         return class_prompts(env.classnames, dataset=env.dataset, path=self.opts.descriptions,
                              handcrafted=self.opts.handcrafted)

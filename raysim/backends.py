@@ -1,34 +1,46 @@
 """Where the hosts run: `inline` (this process) or `ray` (a ServerActor and ClientActors).
 
-Both expose the same three calls per round: `train_round` (dispatch once per client host with the list
-of its participating clients, then aggregate on the server in client-id order), `evaluate`, `commit`.
+Both implement `Backend`: per round `train_round` (dispatch once per client host with the list of its
+participating clients, then aggregate on the server in client-id order), `evaluate`, `commit`; and
+`shutdown` and `info` for the run. Which clients share a host is `raysim.cluster.plan_hosts`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from typing import Any
+from typing import Any, Protocol
 
 from raysim.actors import ClientHost, ClientReport, FederationData, ServerHost
+from raysim.cluster import init_ray, plan_hosts
 from raysim.config import RunConfig
 
 log = logging.getLogger(__name__)
 
 
-def assign_clients(num_clients: int, num_hosts: int) -> list[list[int]]:
-    """Client c lives on host c mod H for the whole run (pooled placement)."""
-    return [[c for c in range(num_clients) if c % num_hosts == h] for h in range(num_hosts)]
+class Backend(Protocol):
+    """What the engine's round loop calls; built as BACKENDS[cfg.backend](cfg, data, out_dir, resume_round)."""
+
+    name: str
+    info: dict[str, Any]  # what the run reports about where it ran: backend, hosts, ...
+
+    def train_round(self, round_idx: int, participants: list[int]) -> tuple[list[ClientReport], dict[str, Any]]:
+        """Train the round's participants and aggregate their uploads: (reports in client order, server stats)."""
+
+    def evaluate(self) -> list[dict[str, Any]]:
+        """Every client's evaluation rows against the current shared state, in client order."""
+
+    def commit(self, round_idx: int) -> None:
+        """Checkpoint the server's and every client's state as of the end of `round_idx`."""
+
+    def shutdown(self) -> None:
+        """Release the hosts (and Ray, when this backend started it)."""
 
 
 class InlineBackend:
     name = "inline"
 
     def __init__(self, cfg: RunConfig, data: FederationData, out_dir: str, resume_round: int) -> None:
-        hosts = 1 if cfg.placement == "pooled" and cfg.num_actors == 0 else (
-            cfg.num_clients if cfg.placement == "actor_per_client" else cfg.num_actors
-        )
-        self.groups = assign_clients(cfg.num_clients, min(hosts, cfg.num_clients))
+        self.groups = plan_hosts(cfg, cluster_cpus=1, cluster_gpus=0)  # one process: num_actors=0 is one host
         self.server = ServerHost(cfg, data.classnames, out_dir, resume_round)
         self.hosts = [ClientHost(cfg, data, g, out_dir, resume_round) for g in self.groups]
         self.info = {"backend": "inline", "hosts": len(self.hosts)}
@@ -66,30 +78,14 @@ class RayBackend:
         import ray
 
         self.ray = ray
-        self.started_ray = False
-        if not ray.is_initialized():
-            kwargs: dict[str, Any] = dict(include_dashboard=False, configure_logging=False, log_to_driver=True)
-            if cfg.address:
-                ray.init(address=cfg.address, **kwargs)
-            else:
-                ray.init(num_cpus=os.cpu_count(), **kwargs)
-            self.started_ray = True
+        self.started_ray = init_ray(cfg.address)
         resources = ray.cluster_resources()
         cpus, gpus = float(resources.get("CPU", 1)), float(resources.get("GPU", 0))
         client_gpus, server_gpus = cfg.client_gpus, cfg.server_gpus
         if (client_gpus > 0 or server_gpus > 0) and gpus == 0:
             log.warning("no GPU in the Ray cluster: client_gpus/server_gpus ignored, actors run on CPU")
             client_gpus = server_gpus = 0.0
-        if cfg.placement == "actor_per_client":
-            num_hosts = cfg.num_clients
-        elif cfg.num_actors > 0:
-            num_hosts = cfg.num_actors
-        else:
-            by_cpu = int((cpus - cfg.server_cpus) // cfg.client_cpus) if cfg.client_cpus > 0 else cfg.num_clients
-            by_gpu = int(gpus // client_gpus) if client_gpus > 0 else cfg.num_clients
-            num_hosts = max(1, min(by_cpu, by_gpu))
-        num_hosts = min(num_hosts, cfg.num_clients)
-        self.groups = assign_clients(cfg.num_clients, num_hosts)
+        self.groups = plan_hosts(cfg, cpus, gpus)
         self.cfg, self.out_dir = cfg, out_dir
         self.data_ref = ray.put(data)  # every actor reads the same copy from the object store
         self.classnames = list(data.classnames)
@@ -216,4 +212,4 @@ class RayBackend:
             self.ray.shutdown()
 
 
-BACKENDS = {"inline": InlineBackend, "ray": RayBackend}
+BACKENDS: dict[str, type[Backend]] = {"inline": InlineBackend, "ray": RayBackend}

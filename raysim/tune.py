@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from raysim.config import build_config, deep_merge, load_yaml, parse_overrides
+from raysim.cluster import init_ray, plan_hosts
+from raysim.config import RunConfig, build_config, deep_merge, load_yaml, parse_overrides
 from raysim.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,21 @@ def _yaml_value(v: Any) -> Any:
 
 def validate_sweep(spec: Mapping[str, Any]) -> dict[str, Any]:
     """Check a sweep spec at the edge; return it with defaults filled in. Raises ConfigError."""
+    out = _with_defaults(spec)
+    base, cfg = _check_base(out["base"])
+    clean_space = _check_space(base, out["space"])
+    out["base"], out["space"] = base, clean_space
+    _check_objective(out)
+    if out["asha"] is not None:
+        rounds = max([cfg.rounds] + [int(v) for v in _space_values(clean_space, "rounds")])
+        out["asha"] = _check_asha(out["asha"], rounds)
+    _check_run_keys(out)
+    _check_fixed_hosts(base, clean_space)
+    return out
+
+
+def _with_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The sweep keys of `spec` (unknown ones refused) over the defaults."""
     if not isinstance(spec, Mapping):
         raise ConfigError("a sweep file must hold a mapping with base: and space:")
     for key in spec:
@@ -114,74 +130,94 @@ def validate_sweep(spec: Mapping[str, Any]) -> dict[str, Any]:
         "metric": "hm", "mode": "max", "asha": None, "max_concurrent": None, "restore": False,
     }
     out.update({k: v for k, v in spec.items() if v is not None or k in ("asha", "max_concurrent")})
-    base = out["base"] or {}
+    return out
+
+
+def _check_base(base: Any) -> tuple[dict[str, Any], RunConfig]:
+    """base: as config values ('inf' read as infinity), and the config it builds."""
+    base = base or {}
     if not isinstance(base, Mapping):
         raise ConfigError("base: must be a mapping of config keys (e.g. method: promptfl)")
     base = {k: _yaml_value(v) for k, v in base.items()}
     for k in TRIAL_OWNED:
         if base.get(k):
             raise ConfigError(f"base: {k} is set per trial by the sweep (each trial writes to <trial dir>/run); remove it")
-    cfg = build_config(base)  # unknown keys / bad values in base
-    space = out["space"]
+    return base, build_config(base)  # unknown keys / bad values in base
+
+
+def _check_space(base: Mapping[str, Any], space: Any) -> dict[str, dict[str, list[Any]]]:
     if not isinstance(space, Mapping) or not space:
         raise ConfigError("space: must map at least one config key to {grid: [...]}, {choice: [...]}, {uniform: [lo, hi]} or {loguniform: [lo, hi]}")
-    clean_space: dict[str, dict[str, list[Any]]] = {}
-    for key, dist in space.items():
-        key = str(key)
-        if key.split(".")[0] in TRIAL_OWNED:
-            raise ConfigError(f"space: {key} is set per trial by the sweep and cannot be swept")
-        if not isinstance(dist, Mapping) or len(dist) != 1 or next(iter(dist)) not in DISTRIBUTIONS:
-            raise ConfigError(
-                f"space: {key} must be one of {{grid: [...]}}, {{choice: [...]}}, {{uniform: [lo, hi]}}, "
-                f"{{loguniform: [lo, hi]}}; got {dist!r}"
-            )
-        kind, values = next(iter(dist.items()))
-        if not isinstance(values, (list, tuple)) or not values:
-            raise ConfigError(f"space: {key}.{kind} must be a non-empty list, got {values!r}")
-        values = [_yaml_value(v) for v in values]
-        if kind in ("uniform", "loguniform"):
-            if len(values) != 2:
-                raise ConfigError(f"space: {key}.{kind} takes [lo, hi], got {values!r}")
-            lo, hi = (_number(v, f"space: {key}.{kind} bound") for v in values)
-            if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
-                raise ConfigError(f"space: {key}.{kind} needs finite lo < hi, got {values!r}")
-            if kind == "loguniform" and lo <= 0:
-                raise ConfigError(f"space: {key}.loguniform needs lo > 0, got {lo}")
-            values = [lo, hi]
-        for v in values:  # every value must make a valid config (unknown key, wrong type, out of range)
-            trial = deep_merge(base, {})
-            _set_dotted(trial, key, v)
-            try:
-                build_config(trial)
-            except ConfigError as e:
-                raise ConfigError(f"space: {key}={v!r}: {e}") from None
-        clean_space[key] = {kind: values}
-    out["base"], out["space"] = base, clean_space
+    return {str(key): _check_dimension(base, str(key), dist) for key, dist in space.items()}
+
+
+def _check_dimension(base: Mapping[str, Any], key: str, dist: Any) -> dict[str, list[Any]]:
+    """One swept key: {kind: values}, every value (both bounds of a range) making a valid config."""
+    if key.split(".")[0] in TRIAL_OWNED:
+        raise ConfigError(f"space: {key} is set per trial by the sweep and cannot be swept")
+    if not isinstance(dist, Mapping) or len(dist) != 1 or next(iter(dist)) not in DISTRIBUTIONS:
+        raise ConfigError(
+            f"space: {key} must be one of {{grid: [...]}}, {{choice: [...]}}, {{uniform: [lo, hi]}}, "
+            f"{{loguniform: [lo, hi]}}; got {dist!r}"
+        )
+    kind, values = next(iter(dist.items()))
+    if not isinstance(values, (list, tuple)) or not values:
+        raise ConfigError(f"space: {key}.{kind} must be a non-empty list, got {values!r}")
+    values = [_yaml_value(v) for v in values]
+    if kind in ("uniform", "loguniform"):
+        values = _check_range(key, kind, values)
+    for v in values:  # every value must make a valid config (unknown key, wrong type, out of range)
+        trial = deep_merge(base, {})
+        _set_dotted(trial, key, v)
+        try:
+            build_config(trial)
+        except ConfigError as e:
+            raise ConfigError(f"space: {key}={v!r}: {e}") from None
+    return {kind: values}
+
+
+def _check_range(key: str, kind: str, values: list[Any]) -> list[float]:
+    if len(values) != 2:
+        raise ConfigError(f"space: {key}.{kind} takes [lo, hi], got {values!r}")
+    lo, hi = (_number(v, f"space: {key}.{kind} bound") for v in values)
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+        raise ConfigError(f"space: {key}.{kind} needs finite lo < hi, got {values!r}")
+    if kind == "loguniform" and lo <= 0:
+        raise ConfigError(f"space: {key}.loguniform needs lo > 0, got {lo}")
+    return [lo, hi]
+
+
+def _check_objective(out: Mapping[str, Any]) -> None:
     if not isinstance(out["num_samples"], int) or isinstance(out["num_samples"], bool) or out["num_samples"] < 1:
         raise ConfigError(f"num_samples must be an integer >= 1, got {out['num_samples']!r}")
     if out["metric"] not in METRICS:
         raise ConfigError(f"metric must be one of {', '.join(METRICS)}, got {out['metric']!r}")
     if out["mode"] not in ("max", "min"):
         raise ConfigError(f"mode must be max or min, got {out['mode']!r}")
-    if out["asha"] is not None:
-        asha = out["asha"]
-        if not isinstance(asha, Mapping):
-            raise ConfigError("asha: must be a mapping with max_t, grace_period, reduction_factor")
-        for k in asha:
-            if k not in ASHA_KEYS:
-                raise ConfigError(f"unknown asha key {k!r}.{_did_you_mean(str(k), ASHA_KEYS)} Valid: {', '.join(ASHA_KEYS)}")
-        rounds = max([cfg.rounds] + [int(v) for v in _space_values(clean_space, "rounds")])
-        asha = {"max_t": rounds, "grace_period": 1, "reduction_factor": 2, **asha}
-        for k in ASHA_KEYS:
-            v = asha[k]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 1:
-                raise ConfigError(f"asha.{k} must be a number >= 1, got {v!r}")
-        if asha["grace_period"] > asha["max_t"]:
-            raise ConfigError(f"asha.grace_period ({asha['grace_period']}) must be <= asha.max_t ({asha['max_t']})")
-        if asha["reduction_factor"] <= 1:
-            raise ConfigError(f"asha.reduction_factor must be > 1, got {asha['reduction_factor']}")
-        out["asha"] = {"max_t": int(asha["max_t"]), "grace_period": int(asha["grace_period"]),
-                       "reduction_factor": float(asha["reduction_factor"])}
+
+
+def _check_asha(asha: Any, rounds: int) -> dict[str, Any]:
+    """asha: over its defaults (max_t = the most rounds a trial runs), checked."""
+    if not isinstance(asha, Mapping):
+        raise ConfigError("asha: must be a mapping with max_t, grace_period, reduction_factor")
+    for k in asha:
+        if k not in ASHA_KEYS:
+            raise ConfigError(f"unknown asha key {k!r}.{_did_you_mean(str(k), ASHA_KEYS)} Valid: {', '.join(ASHA_KEYS)}")
+    asha = {"max_t": rounds, "grace_period": 1, "reduction_factor": 2, **asha}
+    for k in ASHA_KEYS:
+        v = asha[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 1:
+            raise ConfigError(f"asha.{k} must be a number >= 1, got {v!r}")
+    if asha["grace_period"] > asha["max_t"]:
+        raise ConfigError(f"asha.grace_period ({asha['grace_period']}) must be <= asha.max_t ({asha['max_t']})")
+    if asha["reduction_factor"] <= 1:
+        raise ConfigError(f"asha.reduction_factor must be > 1, got {asha['reduction_factor']}")
+    return {"max_t": int(asha["max_t"]), "grace_period": int(asha["grace_period"]),
+            "reduction_factor": float(asha["reduction_factor"])}
+
+
+def _check_run_keys(out: dict[str, Any]) -> None:
+    """max_concurrent, restore and name (made a plain string, as storage)."""
     mc = out["max_concurrent"]
     if mc is not None and (isinstance(mc, bool) or not isinstance(mc, int) or mc < 1):
         raise ConfigError(f"max_concurrent must be an integer >= 1 (or null for what the cluster holds), got {mc!r}")
@@ -191,15 +227,17 @@ def validate_sweep(spec: Mapping[str, Any]) -> dict[str, Any]:
     if not name or "/" in name or name in (".", ".."):
         raise ConfigError(f"name must be a plain folder name, got {name!r}")
     out["name"], out["storage"] = name, str(out["storage"])
-    # inside a trial the number of client actors is fixed by the config, never by the cluster size
-    for values in _trial_grid(base, clean_space):
+
+
+def _check_fixed_hosts(base: Mapping[str, Any], space: Mapping[str, Mapping[str, list[Any]]]) -> None:
+    """Inside a trial the number of client actors is fixed by the config, never by the cluster size."""
+    for values in _trial_grid(base, space):
         c = build_config(values)
         if c.backend == "ray" and c.placement == "pooled" and c.num_actors == 0:
             raise ConfigError(
                 "a sweep needs a fixed number of client actors per trial: set num_actors (e.g. base: {num_actors: 2}) "
                 "or placement: actor_per_client"
             )
-    return out
 
 
 def _space_values(space: Mapping[str, Mapping[str, list[Any]]], key: str) -> list[Any]:
@@ -253,8 +291,11 @@ def _flat_to_nested(flat: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def trial_bundles(values: Mapping[str, Any], *, has_gpu: bool = True) -> list[dict[str, float]]:
-    """Placement-group bundles of one trial: [driver, (server), client actor x H]."""
+def trial_bundles(values: Mapping[str, Any], *, has_gpu: bool = True,
+                  cluster: Optional[Mapping[str, float]] = None) -> list[dict[str, float]]:
+    """Placement-group bundles of one trial: [driver, (server), client actor x H], H as the trial's
+    RayBackend will plan it on `cluster` (`plan_hosts`; a sweep fixes H, so the cluster's size does not
+    change it)."""
     cfg = build_config(values)
     cg, sg = (cfg.client_gpus, cfg.server_gpus) if has_gpu else (0.0, 0.0)
 
@@ -266,11 +307,12 @@ def trial_bundles(values: Mapping[str, Any], *, has_gpu: bool = True) -> list[di
 
     if cfg.backend == "inline":  # the whole federation runs in the trial driver
         return [bundle(max(cfg.client_cpus, MIN_BUNDLE_CPU), cg)]
-    hosts = cfg.num_clients if cfg.placement == "actor_per_client" else min(cfg.num_actors, cfg.num_clients)
+    cluster = cluster or {}
+    hosts = plan_hosts(cfg, float(cluster.get("CPU", 0)), float(cluster.get("GPU", 0)) if has_gpu else 0.0)
     bundles = [{"CPU": MIN_BUNDLE_CPU}]
     if cfg.server_cpus > 0 or sg > 0:
         bundles.append(bundle(cfg.server_cpus, sg))
-    bundles += [bundle(cfg.client_cpus, cg) for _ in range(max(1, hosts))]
+    bundles += [bundle(cfg.client_cpus, cg) for _ in hosts]
     return bundles
 
 
@@ -378,9 +420,6 @@ def _absolutize(base: dict[str, Any]) -> dict[str, Any]:
 
 def run_sweep(spec: Mapping[str, Any], *, restore: Optional[bool] = None, verbose: int = 1) -> "pandas.DataFrame":
     """Run (or restore) a sweep; write trials.csv, trials.md and the plots; return the trials table."""
-    import ray
-    from ray import tune
-
     spec = validate_sweep(spec)
     if restore is not None:
         spec["restore"] = bool(restore)
@@ -388,75 +427,17 @@ def run_sweep(spec: Mapping[str, Any], *, restore: Optional[bool] = None, verbos
     base_cfg = build_config(base)
     storage = Path(spec["storage"]).expanduser().resolve()
     exp_dir = storage / spec["name"]
-    can_restore = tune.Tuner.can_restore(str(exp_dir)) if exp_dir.exists() else False
-    if not spec["restore"] and exp_dir.exists() and any(exp_dir.iterdir()):
-        raise ConfigError(
-            f"sweep folder {exp_dir} already holds an experiment; pass --resume (or restore: true) to continue it, "
-            "or choose another name=/storage="
-        )
-    if spec["restore"] and not can_restore:
-        raise ConfigError(f"restore: no Tune experiment to restore in {exp_dir} (run the sweep once without --resume)")
-
-    started = False
-    if not ray.is_initialized():
-        kwargs: dict[str, Any] = dict(include_dashboard=False, configure_logging=False)
-        if base_cfg.address:
-            ray.init(address=base_cfg.address, **kwargs)
-        else:
-            ray.init(num_cpus=os.cpu_count(), **kwargs)
-        started = True
+    _check_experiment_dir(exp_dir, spec["restore"])
+    started = init_ray(base_cfg.address)
     try:
-        cluster = ray.cluster_resources()
-        has_gpu = float(cluster.get("GPU", 0)) > 0
-        if not has_gpu and any(build_config(v).client_gpus > 0 or build_config(v).server_gpus > 0
-                               for v in _trial_grid(base, spec["space"])):
-            log.warning("no GPU in the Ray cluster: client_gpus/server_gpus are not reserved, actors run on CPU")
-        corners = [trial_bundles(v, has_gpu=has_gpu) for v in _trial_grid(base, spec["space"])]
-        biggest = max(corners, key=lambda b: sum(_totals(b).values()))
-        fit = min(trials_that_fit(b, cluster) for b in corners)
-        if fit == 0:
-            msg = (f"one trial needs {_totals(biggest)} but the Ray cluster has "
-                   f"{ {k: v for k, v in cluster.items() if k in _totals(biggest)} }")
-            if not base_cfg.address:  # a local cluster never grows
-                raise ConfigError(msg + ": lower client_cpus / client_gpus / num_actors")
-            log.warning("%s; waiting for the autoscaler to add nodes", msg)
-        max_concurrent = spec["max_concurrent"] or max(1, fit)
-
-        def resources(config: dict[str, Any]):
-            values = deep_merge(base, _flat_to_nested(config))
-            return tune.PlacementGroupFactory(trial_bundles(values, has_gpu=has_gpu))
-
-        trainable = tune.with_resources(
-            tune.with_parameters(federation, base=base, experiment_path=str(exp_dir)), resources
-        )
-        if spec["restore"]:
-            try:
-                tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, resume_unfinished=True, resume_errored=True)
-            except ValueError as e:  # e.g. an experiment written by another trainable
-                raise ConfigError(f"restore: cannot restore the Tune experiment in {exp_dir}: {e}") from None
-        else:
-            scheduler = None
-            if spec["asha"]:
-                from ray.tune.schedulers import ASHAScheduler
-
-                scheduler = ASHAScheduler(time_attr="training_iteration", **spec["asha"])
-            tuner = tune.Tuner(
-                trainable,
-                param_space=_search_space(spec["space"]),
-                tune_config=tune.TuneConfig(
-                    metric=spec["metric"], mode=spec["mode"], num_samples=spec["num_samples"],
-                    scheduler=scheduler, max_concurrent_trials=max_concurrent,
-                ),
-                run_config=tune.RunConfig(
-                    name=spec["name"], storage_path=str(storage), verbose=verbose,
-                    failure_config=tune.FailureConfig(max_failures=0),
-                ),
-            )
+        tuner = _tuner(spec, base, base_cfg, storage, exp_dir, verbose)
         t0 = time.perf_counter()
         grid = tuner.fit()
         log.info("sweep %s: %d trials in %.1fs", spec["name"], len(grid), time.perf_counter() - t0)
     finally:
         if started:
+            import ray
+
             ray.shutdown()
     table = trials_table(grid, spec)
     write_outputs(table, spec, exp_dir)
@@ -464,6 +445,81 @@ def run_sweep(spec: Mapping[str, Any], *, restore: Optional[bool] = None, verbos
     table.attrs["num_errors"] = int(grid.num_errors)
     table.attrs["num_terminated"] = int(grid.num_terminated)
     return table
+
+
+def _check_experiment_dir(exp_dir: Path, restore: bool) -> None:
+    """A new sweep never writes into an existing experiment; a restored one needs one."""
+    from ray import tune
+
+    can_restore = tune.Tuner.can_restore(str(exp_dir)) if exp_dir.exists() else False
+    if not restore and exp_dir.exists() and any(exp_dir.iterdir()):
+        raise ConfigError(
+            f"sweep folder {exp_dir} already holds an experiment; pass --resume (or restore: true) to continue it, "
+            "or choose another name=/storage="
+        )
+    if restore and not can_restore:
+        raise ConfigError(f"restore: no Tune experiment to restore in {exp_dir} (run the sweep once without --resume)")
+
+
+def _concurrency(spec: Mapping[str, Any], base: dict[str, Any], base_cfg: RunConfig,
+                 cluster: Mapping[str, float]) -> int:
+    """How many trials run at once: spec's max_concurrent, else as many as the cluster holds (at least 1).
+    A local cluster too small for one trial is refused; a remote one may still grow (autoscaler)."""
+    has_gpu = float(cluster.get("GPU", 0)) > 0
+    corners = _trial_grid(base, spec["space"])
+    if not has_gpu and any(build_config(v).client_gpus > 0 or build_config(v).server_gpus > 0 for v in corners):
+        log.warning("no GPU in the Ray cluster: client_gpus/server_gpus are not reserved, actors run on CPU")
+    needs = [trial_bundles(v, has_gpu=has_gpu, cluster=cluster) for v in corners]
+    biggest = max(needs, key=lambda b: sum(_totals(b).values()))
+    fit = min(trials_that_fit(b, cluster) for b in needs)
+    if fit == 0:
+        msg = (f"one trial needs {_totals(biggest)} but the Ray cluster has "
+               f"{ {k: v for k, v in cluster.items() if k in _totals(biggest)} }")
+        if not base_cfg.address:  # a local cluster never grows
+            raise ConfigError(msg + ": lower client_cpus / client_gpus / num_actors")
+        log.warning("%s; waiting for the autoscaler to add nodes", msg)
+    return spec["max_concurrent"] or max(1, fit)
+
+
+def _tuner(spec: Mapping[str, Any], base: dict[str, Any], base_cfg: RunConfig, storage: Path, exp_dir: Path,
+           verbose: int):
+    """The Tuner of a new sweep, or the restored one; each trial reserves its placement group."""
+    import ray
+    from ray import tune
+
+    cluster = ray.cluster_resources()
+    has_gpu = float(cluster.get("GPU", 0)) > 0
+    max_concurrent = _concurrency(spec, base, base_cfg, cluster)
+
+    def resources(config: dict[str, Any]):
+        values = deep_merge(base, _flat_to_nested(config))
+        return tune.PlacementGroupFactory(trial_bundles(values, has_gpu=has_gpu, cluster=cluster))
+
+    trainable = tune.with_resources(
+        tune.with_parameters(federation, base=base, experiment_path=str(exp_dir)), resources
+    )
+    if spec["restore"]:
+        try:
+            return tune.Tuner.restore(str(exp_dir), trainable=trainable, resume_unfinished=True, resume_errored=True)
+        except ValueError as e:  # e.g. an experiment written by another trainable
+            raise ConfigError(f"restore: cannot restore the Tune experiment in {exp_dir}: {e}") from None
+    scheduler = None
+    if spec["asha"]:
+        from ray.tune.schedulers import ASHAScheduler
+
+        scheduler = ASHAScheduler(time_attr="training_iteration", **spec["asha"])
+    return tune.Tuner(
+        trainable,
+        param_space=_search_space(spec["space"]),
+        tune_config=tune.TuneConfig(
+            metric=spec["metric"], mode=spec["mode"], num_samples=spec["num_samples"],
+            scheduler=scheduler, max_concurrent_trials=max_concurrent,
+        ),
+        run_config=tune.RunConfig(
+            name=spec["name"], storage_path=str(storage), verbose=verbose,
+            failure_config=tune.FailureConfig(max_failures=0),
+        ),
+    )
 
 
 def trials_table(grid, spec: Mapping[str, Any]) -> "pandas.DataFrame":

@@ -22,8 +22,9 @@ def ray_session():
     """A local Ray cluster shared by every test that needs one; shut down at the end of the session."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    from raysim.cluster import init_ray
+
+    init_ray(num_cpus=2, log_to_driver=False)  # as the runs start it (quiet), on 2 CPUs
     yield ray
     ray.shutdown()
 

@@ -15,7 +15,7 @@ from raysim.actors import check_upload
 from raysim.errors import ConfigError, UploadViolation
 from raysim.methods import ClientData, EnvSpec, TrainConfig, get_method
 from raysim.models.clip import ModelSpec, build_clip_env
-from raysim.models.fedsept_modules import Router, diversity_loss, gate_loss
+from raysim.methods.fedsept_parts import Router, diversity_loss, gate_loss
 from raysim.privacy.dpsgd import DPSGD, NoDP, per_sample_grads
 
 CLASSES = ["zero", "one", "two", "three", "four"]
@@ -226,7 +226,9 @@ def test_options_are_validated_and_the_probe_is_inert_with_one_key():
     assert r.probe.grad.abs().sum() > 0
     pooled = Router(32, 4, heads=4, dropout=0.0, mode="pooled")
     pooled(torch.randn(3, 32)).pow(2).sum().backward()
-    assert pooled.probe.grad is None or pooled.probe.grad.abs().sum() == 0  # one key: u is inert
+    # one key: the attention weight is 1 and u is inert; torch's attention kernel leaves round-off (~1e-10
+    # against ~1e-3 with patch tokens) where the exact gradient is 0
+    assert pooled.probe.grad is None or pooled.probe.grad.abs().sum() < 1e-8
     with pytest.raises(ConfigError):
         r(torch.randn(3, 32))
 

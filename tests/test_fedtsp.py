@@ -303,7 +303,7 @@ def test_baselines_end_to_end(tmp_path, method, section):
 
 # ------------------------------------------------------------------------------- semantic structure
 def test_semantic_measures_on_toy_hierarchy():
-    from raysim.semantics import hierarchy_paths, semantic_alignment, semantic_gap, semantic_report, wu_palmer
+    from raysim.methods.fedtsp_semantics import hierarchy_paths, semantic_alignment, semantic_gap, semantic_report, wu_palmer
 
     paths = [("animal", "mammal", "cat"), ("animal", "mammal", "dog"), ("animal", "bird"), ("vehicle", "car")]
     ref = wu_palmer(paths)
@@ -324,8 +324,8 @@ def test_semantic_measures_on_toy_hierarchy():
 def test_bundled_descriptions_cover_datasets():
     from raysim.data.synthetic import CLASS_POOL
     from raysim.data.digits import DIGIT_NAMES
-    from raysim.descriptions import class_prompts, load_descriptions
-    from raysim.semantics import CIFAR10_PATHS, CIFAR100_SUPERCLASSES
+    from raysim.methods.fedtsp_descriptions import class_prompts, load_descriptions
+    from raysim.methods.fedtsp_semantics import CIFAR10_PATHS, CIFAR100_SUPERCLASSES
 
     c100 = [c for cs in CIFAR100_SUPERCLASSES.values() for c in cs.split()]
     for ds, names in [("digits", DIGIT_NAMES), ("cifar10", list(CIFAR10_PATHS)), ("cifar100", c100),
@@ -335,44 +335,3 @@ def test_bundled_descriptions_cover_datasets():
     assert len(load_descriptions("cifar100")) == 100
     assert class_prompts(["aquarium_fish"], dataset="cifar100")[0][0].startswith("A photo of a aquarium fish: ")
     assert class_prompts(["sweet pepper"], handcrafted=True) == [["A photo of a sweet pepper."]]
-
-
-def test_llm_description_client_against_local_fake_server(tmp_path):
-    import json
-    import threading
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-
-    from raysim.descriptions import class_prompts
-    from raysim.llm_descriptions import generate_descriptions
-
-    asked = []
-
-    class Fake(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            asked.append(body["messages"][0]["content"])
-            name = asked[-1].split("'")[1]
-            reply = {"choices": [{"message": {"content": json.dumps([f"{name} look {i}." for i in range(3)])}}]}
-            data = json.dumps(reply).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *a):
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Fake)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_port}/v1"
-        cache = tmp_path / "new.json"
-        out = generate_descriptions(["red_panda", "okapi"], cache, base_url=url, model="fake")
-        assert out["red panda"] == ["red panda look 0.", "red panda look 1.", "red panda look 2."]
-        assert len(asked) == 2
-        generate_descriptions(["red_panda", "okapi"], cache, base_url=url, model="fake")
-        assert len(asked) == 2  # cached: not asked again
-        assert class_prompts(["okapi"], path=cache)[0][1] == "A photo of a okapi: okapi look 1."
-    finally:
-        server.shutdown()

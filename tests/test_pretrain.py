@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from raysim import pretrain as pt  # noqa: E402
+from raysim.models import bundled  # noqa: E402
 from raysim.data import synthetic as syn  # noqa: E402
 
 BENCH = syn.SyntheticParams(classes=("circle", "seven", "letter A"), train_per_cell=2, test_per_cell=3, seed=5)
@@ -79,11 +80,11 @@ def test_pretrain_minilm_cnn_and_export(tmp_path):
 
 def test_bundled_checkpoint_has_real_zero_shot_ability(tmp_path):
     cache = str(tmp_path / "cache")
-    path = pt.bundled_checkpoint(cache)
+    path = bundled.bundled_checkpoint(cache)
     made = path.stat().st_mtime_ns
-    assert pt.bundled_checkpoint(cache) == path and path.stat().st_mtime_ns == made  # reused, not rebuilt
-    assert (pt.ASSET_DIR / pt.ASSET_WEIGHTS).stat().st_size < 10e6
-    name = pt.register_bundled()
+    assert bundled.bundled_checkpoint(cache) == path and path.stat().st_mtime_ns == made  # reused, not rebuilt
+    assert (bundled.ASSET_DIR / bundled.ASSET_WEIGHTS).stat().st_size < 10e6
+    name = bundled.register_bundled()
     model = open_clip.create_model(name, pretrained=str(path))  # strict loading, as for real CLIP weights
     tok = open_clip.get_tokenizer(name)
     # the first 4 images of every (class, domain) cell of the `synthetic` test split (never seen in training)

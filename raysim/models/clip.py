@@ -32,7 +32,7 @@ def register_builtin_configs() -> None:
 
         open_clip.add_model_config(CONFIG_DIR)
         if (BUNDLED_ASSET / "config.json").is_file():
-            from raysim.pretrain import register_bundled
+            from raysim.models.bundled import register_bundled
 
             register_bundled()
         _registered = True
@@ -54,7 +54,7 @@ class ModelSpec:
 
             p = "bundled:" + hashlib.sha256((BUNDLED_ASSET / "trainable.pt").read_bytes()).hexdigest()[:16]
         elif p and Path(p).expanduser().exists():  # a file, or a `raysim pretrain` folder (keyed by its checkpoint)
-            from raysim.pretrain import CHECKPOINT
+            from raysim.models.bundled import CHECKPOINT
 
             path = Path(p).expanduser().resolve()
             ckpt = path / CHECKPOINT if path.is_dir() else path
@@ -65,6 +65,8 @@ class ModelSpec:
 def load_clip(spec: ModelSpec, device: str | torch.device = "cpu") -> nn.Module:
     """Build an open_clip model in fp32, frozen and in eval mode."""
     import open_clip
+
+    from raysim.models.quiet import quiet_load
 
     register_builtin_configs()
     pretrained = spec.pretrained or None
@@ -82,7 +84,7 @@ def load_clip(spec: ModelSpec, device: str | torch.device = "cpu") -> nn.Module:
     if pretrained == BUNDLED_TAG:
         if spec.model != BUNDLED_MODEL:
             raise ConfigError(f"pretrained={BUNDLED_TAG} names this project's own {BUNDLED_MODEL} weights; use model={BUNDLED_MODEL}")
-        from raysim.pretrain import bundled_checkpoint
+        from raysim.models.bundled import bundled_checkpoint
 
         pretrained = str(bundled_checkpoint(spec.cache_dir))
     elif pretrained:
@@ -105,7 +107,7 @@ def load_clip(spec: ModelSpec, device: str | torch.device = "cpu") -> nn.Module:
             if not pretrained:  # open_clip warns that a random init is random; that is what was asked for
                 logging.disable(logging.WARNING)
             try:
-                with contextlib.redirect_stdout(io.StringIO()):
+                with contextlib.redirect_stdout(io.StringIO()), quiet_load():
                     model = open_clip.create_model(spec.model, pretrained=pretrained, device="cpu", precision="fp32")
             finally:
                 logging.disable(previous)
@@ -122,17 +124,17 @@ def load_clip(spec: ModelSpec, device: str | torch.device = "cpu") -> nn.Module:
 
 def pretrain_folder_checkpoint(folder: Path, model: str) -> Path:
     """The checkpoint in a folder written by `raysim pretrain`, its model config registered with open_clip."""
-    from raysim import pretrain
+    from raysim.models import bundled
 
-    if not (folder / pretrain.META).is_file() or not (folder / pretrain.CHECKPOINT).is_file():
+    if not (folder / bundled.META).is_file() or not (folder / bundled.CHECKPOINT).is_file():
         raise DataError(
             f"pretrained={folder} is a folder but not one written by `raysim pretrain` "
-            f"(no {pretrain.META} and {pretrain.CHECKPOINT}); pass a checkpoint file or such a folder"
+            f"(no {bundled.META} and {bundled.CHECKPOINT}); pass a checkpoint file or such a folder"
         )
-    name = pretrain.register(folder)
+    name = bundled.register(folder)
     if model != name:
         raise ConfigError(f"pretrained={folder} holds a {name} model; pass model={name}")
-    return folder / pretrain.CHECKPOINT
+    return folder / bundled.CHECKPOINT
 
 
 def image_size_of(model: nn.Module) -> int:

@@ -89,8 +89,11 @@ class BertPLM(nn.Module):
         super().__init__()
         from transformers import AutoModel, AutoTokenizer
 
+        from raysim.models.quiet import quiet_load
+
         path = resolve_bert_path(path)
-        self.model = AutoModel.from_pretrained(path).to(device).eval().requires_grad_(False)
+        with quiet_load():
+            self.model = AutoModel.from_pretrained(path).to(device).eval().requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.double_embedding = double_embedding
         self.width = int(self.model.config.hidden_size)

@@ -16,9 +16,10 @@ import json
 from pathlib import Path
 from typing import Mapping, Sequence
 
+import raysim
 from raysim.errors import ConfigError
 
-ASSET_DIR = Path(__file__).resolve().parent / "assets" / "descriptions"
+ASSET_DIR = Path(raysim.__file__).resolve().parent / "assets" / "descriptions"
 KEY = "Fine-grained Descriptions"
 
 

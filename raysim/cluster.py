@@ -1,0 +1,98 @@
+"""The Ray cluster a run uses: starting or joining it (`init_ray`), and how its clients are grouped onto
+client hosts (`plan_hosts`), for the inline backend, the Ray backend and Tune's trial reservations alike.
+
+Light on purpose (Ray is imported only inside `init_ray`), so the sweep front door can use it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Iterator
+
+from raysim.config import RunConfig
+from raysim.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# Ray 2.60 logs this (a WARNING) every time it turns token authentication on for this process
+AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+def assign_clients(num_clients: int, num_hosts: int) -> list[list[int]]:
+    """Client c lives on host c mod H for the whole run (pooled placement)."""
+    return [[c for c in range(num_clients) if c % num_hosts == h] for h in range(num_hosts)]
+
+
+def plan_hosts(cfg: RunConfig, cluster_cpus: float, cluster_gpus: float) -> list[list[int]]:
+    """The client groups, one per client host (a ClientActor, or a ClientHost in this process for
+    backend=inline); client c is in group c mod H.
+
+    H is num_clients with placement=actor_per_client, else num_actors; num_actors=0 means as many client
+    actors as the cluster has room for next to the server (`client_cpus` each, and `client_gpus` each when
+    the cluster has GPUs), and one host for backend=inline, which runs them all in this process. H is at
+    least 1 and at most num_clients."""
+    if cfg.placement == "actor_per_client":
+        hosts = cfg.num_clients
+    elif cfg.num_actors > 0:
+        hosts = cfg.num_actors
+    elif cfg.backend == "inline":
+        hosts = 1
+    else:
+        client_gpus = cfg.client_gpus if cluster_gpus > 0 else 0.0  # no GPU: the actors run on CPU
+        by_cpu = int((cluster_cpus - cfg.server_cpus) // cfg.client_cpus) if cfg.client_cpus > 0 else cfg.num_clients
+        by_gpu = int(cluster_gpus // client_gpus) if client_gpus > 0 else cfg.num_clients
+        hosts = max(1, min(by_cpu, by_gpu))
+    return assign_clients(cfg.num_clients, min(hosts, cfg.num_clients))
+
+
+class _DropAuthNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(AUTH_NOTICE)
+
+
+@contextlib.contextmanager
+def _quiet_auth_notice() -> Iterator[None]:
+    """While Ray starts: drop its "Token authentication is enabled for this Ray cluster. Set
+    RAY_AUTH_MODE=disabled to opt out." notice. Ray 2.60 turns token authentication on (when RAY_AUTH_MODE
+    is unset) for every local cluster it starts, creating ~/.ray/auth_token if needed, and for
+    address=auto when such a token exists; it is the safe default for a private cluster and asks nothing
+    of the user, so raysim does not repeat it on every run. Every other message of Ray's (the warning that
+    authentication is *disabled*, errors) passes."""
+    logger = logging.getLogger(AUTH_LOGGER)
+    quiet = _DropAuthNotice()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+def init_ray(address: str = "", *, num_cpus: int | None = None, log_to_driver: bool = True) -> bool:
+    """Start a local Ray cluster (`address` "", with `num_cpus`, default: every core here) or join one
+    ("auto" on a node of a running cluster, or HOST:PORT). Returns True when this call started or joined
+    Ray (the caller shuts it down when done), False when Ray was already up in this process.
+
+    A cluster that cannot be reached (a wrong address, or one that wants a token this driver lacks) ends
+    with one ConfigError saying what to check, not Ray's traceback."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kwargs = dict(include_dashboard=False, configure_logging=False, log_to_driver=log_to_driver)
+    with _quiet_auth_notice():
+        if not address:
+            ray.init(num_cpus=num_cpus or os.cpu_count(), **kwargs)
+            return True
+        try:
+            ray.init(address=address, **kwargs)
+        except ConnectionError as e:
+            raise ConfigError(
+                f"could not connect to the Ray cluster at address={address} ({e}). Check the address (auto on a "
+                "node of the cluster, else HOST:PORT of its head); if the cluster uses token authentication, give "
+                "this driver its token too: RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or ~/.ray/auth_token), see "
+                "clusters/README.md"
+            ) from None
+    return True
