@@ -365,11 +365,11 @@ def audit_run(
 
 
 def markdown(df: pd.DataFrame) -> str:
-    cols = list(df.columns)
-    lines = ["| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
-    for _, row in df.iterrows():
-        lines.append("| " + " | ".join(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row) + " |")
-    return "\n".join(lines) + "\n"
+    from raysim.metrics import markdown_table
+
+    return markdown_table(
+        list(df.columns), [[f"{v:.4f}" if isinstance(v, float) else str(v) for v in row] for _, row in df.iterrows()]
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

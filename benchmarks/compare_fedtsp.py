@@ -54,14 +54,14 @@ COLUMNS = ["local", "global", "local_top5", "global_top5"]
 
 
 def table(results: dict[str, dict[int, dict[str, float]]]) -> str:
-    head = "| Method | " + " | ".join(f"{c} (best)" for c in COLUMNS) + " | " + " | ".join(f"{c} (last)" for c in COLUMNS) + " |"
-    lines = [head, "|---|" + "---:|" * (2 * len(COLUMNS))]
+    from raysim.metrics import markdown_table
+
+    rows = []
     for name, per_round in results.items():
         last = per_round[max(per_round)]
         best = {c: max(m[c] for m in per_round.values()) for c in COLUMNS}
-        lines.append(f"| {name} | " + " | ".join(f"{100 * best[c]:.2f}" for c in COLUMNS) + " | "
-                     + " | ".join(f"{100 * last[c]:.2f}" for c in COLUMNS) + " |")
-    return "\n".join(lines)
+        rows.append([name, *(f"{100 * best[c]:.2f}" for c in COLUMNS), *(f"{100 * last[c]:.2f}" for c in COLUMNS)])
+    return markdown_table(["Method", *(f"{c} (best)" for c in COLUMNS), *(f"{c} (last)" for c in COLUMNS)], rows)
 
 
 def semantic_structure(out_dir: Path, rounds: int, dataset: str, classnames: list[str]) -> dict[str, float] | None:
@@ -149,10 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"{a.dataset}, Dirichlet beta={a.beta}, {a.clients} clients, {a.family}, {a.rounds} rounds, "
              f"E={a.local_epochs}, B={a.batch_size}, FedTSP plm={a.plm} lambda={a.lam}; homogeneous model {a.homo_model}, "
              f"-FT {a.finetune_epochs} epoch(s); accuracies in %")
-    sem = [f"| {n} | {s['spearman']:.3f} | {s['semantic_gap']:.3f} |" for n, s in semantics.items() if s is not None]
+    from raysim.metrics import markdown_table
+
+    sem = [[n, f"{s['spearman']:.3f}", f"{s['semantic_gap']:.3f}"] for n, s in semantics.items() if s is not None]
     sem_text = ("\n#### Semantic structure of the global prototypes (fedtsp.txt Figure 1)\n\n"
-                "| Method | Spearman rho vs hierarchy | semantic gap |\n|---|---:|---:|\n" + "\n".join(sem) + "\n") if sem else ""
-    text = f"### {title}\n\n{table(results)}\n{sem_text}"
+                + markdown_table(["Method", "Spearman rho vs hierarchy", "semantic gap"], sem)) if sem else ""
+    text = f"### {title}\n\n{table(results)}{sem_text}"
     print(text)
     (out / "table.md").write_text(text)
     return 0

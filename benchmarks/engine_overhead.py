@@ -101,11 +101,13 @@ def main(argv=None) -> int:
     med = lambda xs: statistics.median(xs[1:] if len(xs) > 1 else xs)  # noqa: E731
     p, i, r = med(plain), med(inline), med(ray_t)
     print(f"PromptFL, {args.clients} clients, participation {args.participation}, {args.rounds} rounds, model {args.model}")
-    print("| loop | s / round | ratio to plain |")
-    print("|---|---:|---:|")
-    print(f"| plain single-process loop | {p:.3f} | 1.00 |")
-    print(f"| engine, backend=inline | {i:.3f} | {i / p:.2f} |")
-    print(f"| engine, backend=ray ({args.actors} actors) | {r:.3f} | {r / p:.2f} |")
+    from raysim.metrics import markdown_table
+
+    print(markdown_table(["loop", "s / round", "ratio to plain"], [
+        ["plain single-process loop", f"{p:.3f}", "1.00"],
+        ["engine, backend=inline", f"{i:.3f}", f"{i / p:.2f}"],
+        [f"engine, backend=ray ({args.actors} actors)", f"{r:.3f}", f"{r / p:.2f}"],
+    ]), end="")
     return 0
 
 

@@ -180,14 +180,16 @@ def table(rows: list[tuple[str, dict[str, float]]], ref: str = "FedSEPT") -> str
     r = dict(rows)[ref]
     cols = [("comm", "Comm. (KiB)", "{:.2f}"), ("lat", "Lat. (ms)", "{:.3f}"), ("flops", "FLOPs (G)", "{:.4g}"),
             ("first", "1st pass (ms)", "{:.1f}"), ("first_flops", "1st-pass FLOPs (G)", "{:.4g}"), ("train", "Train (s/r)", "{:.3f}"), ("mem", "Mem. (MB)", "{:.1f}"), ("mem_delta", "+Mem. (MB)", "{:.1f}")]
-    lines = ["| Method | " + " | ".join(c[1] for c in cols) + " |", "|---|" + "---:|" * len(cols)]
+    from raysim.metrics import markdown_table
+
+    body = []
     for name, m in rows:
         cells = []
         for key, _, fmt in cols:
             ratio = m[key] / r[key] if r[key] > 0 else float("nan")
             cells.append(f"{fmt.format(m[key])} ({ratio:.2f}x)")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        body.append([name, *cells])
+    return markdown_table(["Method", *(c[1] for c in cols)], body)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -162,10 +162,13 @@ def table(rows: list[dict[str, float]]) -> str:
     cols = [(m, HEADERS[m]) for m in METRICS] + [(f"{m} (rand)", f"{HEADERS[m]} (rand)") for m in METRICS] + [("time", "Time (s)")]
     fmt = {"GradCos": "{:.4f}", "PSNR": "{:.2f}", "CLIPCos": "{:.4f}", "Top-1": "{:.2f}", "time": "{:.1f}"}
     mean = {key: float(np.mean([r[key] for r in rows])) for key, _ in cols}
-    lines = ["| Client | " + " | ".join(h for _, h in cols) + " |", "|---|" + "---:|" * len(cols)]
-    for name, r in [(str(k), r) for k, r in enumerate(rows)] + [("mean", mean)]:
-        lines.append(f"| {name} | " + " | ".join(fmt[key.split(" ")[0]].format(r[key]) for key, _ in cols) + " |")
-    return "\n".join(lines) + "\n"
+    from raysim.metrics import markdown_table
+
+    return markdown_table(
+        ["Client", *(h for _, h in cols)],
+        [[name, *(fmt[key.split(" ")[0]].format(r[key]) for key, _ in cols)]
+         for name, r in [(str(k), r) for k, r in enumerate(rows)] + [("mean", mean)]],
+    )
 
 
 def save_png(path: str, grid: list) -> None:

@@ -121,11 +121,10 @@ def run_coop(model, tokenizer, classnames, ftr, ytr, fte, yte, dte, *, n_ctx: in
 
 
 def table(rows: dict[str, dict]) -> str:
+    from raysim.metrics import markdown_table
+
     cols = list(syn.DOMAINS) + ["overall"]
-    lines = ["| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for name, r in rows.items():
-        lines.append(f"| {name} | " + " | ".join(f"{r[c]:.1f}" for c in cols) + " |")
-    return "\n".join(lines)
+    return markdown_table(["", *cols], [[name, *(f"{r[c]:.1f}" for c in cols)] for name, r in rows.items()])
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,4 @@
-"""The `raysim` command: run, sweep, privacy, pretrain."""
+"""The `raysim` command (also `python -m raysim`): run, sweep, privacy, pretrain."""
 
 from __future__ import annotations
 

@@ -15,10 +15,10 @@ import numpy as np
 
 from raysim.data.federation import FederationData
 from raysim.config import RunConfig, build_config, load_yaml
-from raysim.errors import ConfigError
+from raysim.errors import ConfigError, RunFolderLocked
 from raysim.metrics import RunLogger, harmonic_mean, summarize, summary_table
 from raysim.sampling import participants
-from raysim.store import StateStore
+from raysim.store import LOCK_NAME, RunLock, StateStore
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,10 @@ def resolve_out_dir(cfg: RunConfig) -> tuple[Path, int]:
         cfg.out_dir = str(run_dir)
         return run_dir, StateStore(run_dir).completed_round()
     out = Path(cfg.out_dir or f"runs/{cfg.method}-{cfg.dataset}-{datetime.now():%Y%m%d-%H%M%S}").expanduser()
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and any(p.name != LOCK_NAME for p in out.iterdir()):
+        holder = RunLock(out).holder()
+        if holder is not None:
+            raise RunFolderLocked(f"out_dir {out} is being written by a run that is still going ({RunLock.describe(holder)}); choose another out_dir")
         raise ConfigError(
             f"out_dir {out} already holds files; pass resume={out} to continue that run, or choose another out_dir"
         )
@@ -191,11 +194,20 @@ def resolve_out_dir(cfg: RunConfig) -> tuple[Path, int]:
 
 
 def run(cfg: RunConfig, *, on_round: Optional[Callable[[dict[str, Any]], None]] = None) -> RunResult:
-    """Run (or resume) one federation and write its outputs. Returns the paper-format summary."""
+    """Run (or resume) one federation and write its outputs. Returns the paper-format summary.
+
+    The run holds out_dir's lock throughout (one writer per folder); a resume first checks that every
+    checkpoint of the last completed round loads, falling back to the round before when one does not."""
+    out_dir, done = resolve_out_dir(cfg)
+    with RunLock(out_dir):
+        done = StateStore(out_dir).resumable_round(done)
+        return _run(cfg, out_dir, done, on_round)
+
+
+def _run(cfg: RunConfig, out_dir: Path, done: int, on_round: Optional[Callable[[dict[str, Any]], None]]) -> RunResult:
     from raysim.backends import BACKENDS
     from raysim.actors import make_method
 
-    out_dir, done = resolve_out_dir(cfg)
     method = make_method(cfg)
     if done >= cfg.rounds - 1:
         log.info("run %s already completed %d rounds", out_dir, done + 1)

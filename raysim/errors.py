@@ -19,3 +19,11 @@ class PrivacyBudgetExceeded(RaysimError):
 
 class UploadViolation(RaysimError):
     """A client tried to send something the method did not declare as shared."""
+
+
+class CheckpointError(DataError):
+    """A checkpoint under a run folder is truncated, corrupted, or holds objects that are not plain data."""
+
+
+class RunFolderLocked(ConfigError):
+    """Another live process is writing the run folder (out_dir)."""

@@ -1,13 +1,15 @@
 """Run outputs: results.csv (one row per round), client_results.csv (one row per client per evaluated
-round), TensorBoard scalars, and summary.md in the papers' format (In / Cross / HM, mean of the last
-5 evaluated rounds)."""
+round), TensorBoard scalars, summary.md in the papers' format (In / Cross / HM, mean of the last
+5 evaluated rounds) and curves.png (accuracy, loss and epsilon per round). `markdown_table` writes every
+Markdown table raysim and its benchmarks print."""
 
 from __future__ import annotations
 
 import csv
+import logging
 import math
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 ROUND_COLUMNS = [
     "round",
@@ -23,6 +25,9 @@ ROUND_COLUMNS = [
 ]
 CLIENT_COLUMNS = ["round", "client", "in_client", "cross_client", "in_top5", "cross_top5", "n_in", "n_cross", "epsilon"]
 TIMING_COLUMNS = ("seconds",)
+CURVES = "curves.png"
+
+log = logging.getLogger(__name__)
 
 
 def harmonic_mean(a: float, b: float) -> float:
@@ -110,6 +115,12 @@ class RunLogger:
             self.tb.flush()
 
     def close(self, final_metrics: Optional[dict[str, float]] = None, hparams: Optional[dict[str, Any]] = None) -> None:
+        """End of a run (a resumed one too): curves.png from the whole results.csv, TensorBoard closed."""
+        if self.rounds.path.is_file():
+            try:
+                write_curves(self.rounds.path, self.out_dir / CURVES)
+            except Exception as e:  # a plot must never cost a finished run its other outputs
+                log.warning("could not write %s: %s", self.out_dir / CURVES, e)
         if self.tb is not None:
             if final_metrics and hparams:
                 clean = {k: v for k, v in hparams.items() if isinstance(v, (int, float, str, bool))}
@@ -129,14 +140,79 @@ def summarize(results_csv: Path, last: int = 5) -> dict[str, float]:
     return {"in_client": a, "cross_client": b, "hm": harmonic_mean(a, b), "rounds_averaged": float(len(ev))}
 
 
+def markdown_table(
+    header: Sequence[str], rows: Iterable[Sequence[Any]], *, align: Optional[str] = None, title: str = ""
+) -> str:
+    """One Markdown table: `header` cells, then `rows` of cells (each written with str(), so format
+    numbers first). `align` has one letter per column, "l" (`---`) or "r" (`---:`); by default the first
+    column is left-aligned and the others right-aligned (labels, then numbers). `title` adds a `### title`
+    line and a blank line above the table. Ends with a newline."""
+    header = [str(h) for h in header]
+    align = align if align is not None else "l" + "r" * (len(header) - 1)
+    if len(align) != len(header) or set(align) - {"l", "r"}:
+        raise ValueError(f"align={align!r} needs one of 'l'/'r' per column ({len(header)} columns)")
+    lines = [f"### {title}", ""] if title else []
+    lines += ["| " + " | ".join(header) + " |", "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"]
+    for row in rows:
+        cells = [str(c) for c in row]
+        if len(cells) != len(header):
+            raise ValueError(f"a row has {len(cells)} cells for {len(header)} columns: {cells}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def summary_table(rows: list[tuple[str, dict[str, float]]], title: str = "") -> str:
     """Markdown in the papers' format: accuracies in percent, one row per method."""
-    lines = []
-    if title:
-        lines += [f"### {title}", ""]
-    lines += ["| Method | In-Client | Cross-Client | HM |", "|---|---:|---:|---:|"]
-    for name, m in rows:
-        lines.append(
-            f"| {name} | {100 * m['in_client']:.2f} | {100 * m['cross_client']:.2f} | {100 * m['hm']:.2f} |"
-        )
-    return "\n".join(lines) + "\n"
+    return markdown_table(
+        ["Method", "In-Client", "Cross-Client", "HM"],
+        [[name, *(f"{100 * m[k]:.2f}" for k in ("in_client", "cross_client", "hm"))] for name, m in rows],
+        title=title,
+    )
+
+
+def write_curves(results_csv: Path, path: Path) -> Path:
+    """curves.png: In-Client, Cross-Client and HM (%) on the evaluated rounds, the mean training loss per
+    round, and epsilon_max per round when DP is on (any finite value)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    df = pd.read_csv(results_csv)
+    rounds = df["round"] + 1  # 1-based on the axis: "after round 1"
+    eps = df["epsilon_max"] if "epsilon_max" in df else pd.Series(dtype=float)
+    dp = bool(eps.notna().any()) and bool(((eps != math.inf) & eps.notna()).any())
+    panels = 3 if dp else 2
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.4))
+    ax = axes[0]
+    ev = df.dropna(subset=["in_client"])
+    for col, label in (("in_client", "In-Client"), ("cross_client", "Cross-Client"), ("hm", "HM")):
+        if col in ev and ev[col].notna().any():
+            ax.plot(ev["round"] + 1, 100 * ev[col], marker="o", ms=3, label=label)
+    ax.set_xlabel("round")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title("accuracy (evaluated rounds)")
+    if ax.lines:
+        ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    ax = axes[1]
+    ax.plot(rounds, df["train_loss"], color="tab:red")
+    ax.set_xlabel("round")
+    ax.set_ylabel("train loss")
+    ax.set_title("mean client training loss")
+    ax.grid(alpha=0.3)
+    if dp:
+        ax = axes[2]
+        ax.plot(rounds, eps, color="tab:purple")
+        ax.set_xlabel("round")
+        ax.set_ylabel("epsilon")
+        ax.set_title("epsilon_max (over clients)")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+    return path

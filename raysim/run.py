@@ -37,6 +37,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python raysim/run.py
     args = build_parser(prog).parse_args(argv)
     from raysim.errors import RaysimError
 
+    cfg = None
     try:
         if args.sweep:
             from raysim.tune import run_sweep_file
@@ -59,7 +60,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python raysim/run.py
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted: the last completed round is saved; continue with resume=OUT_DIR", file=sys.stderr)
+        where = getattr(cfg, "out_dir", "") or "OUT_DIR"
+        print(f"interrupted: every completed round is saved; continue with resume={where}", file=sys.stderr)
         return 130
     print()
     print((result.out_dir / "summary.md").read_text())

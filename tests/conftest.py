@@ -11,6 +11,21 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _seeded_global_rngs():
+    """Every test starts from the same global RNG state (torch, numpy, random), so a test that draws
+    without its own generator sees the same numbers on every machine and in any test order."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    yield
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> str:
     """One frozen-feature / generated-data cache for the whole session."""

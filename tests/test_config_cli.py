@@ -98,3 +98,24 @@ def test_readme_documents_every_config_key():
     keys += [f"dp.{f.name}" for f in dataclasses.fields(DPConfig)]
     missing = [k for k in keys if f"`{k}`" not in readme]
     assert not missing, f"README config reference lacks {missing}"
+
+
+def test_python_dash_m_raysim_is_the_console_script(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+
+    def m(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "raysim", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    usage = m("--help")
+    assert usage.returncode == 0 and "usage: raysim COMMAND" in usage.stdout
+    assert m().returncode == 2  # no command: usage, as `raysim` does
+    bad = m("run", "method=nope", f"out_dir={tmp_path / 'r'}")
+    assert bad.returncode == 2 and "error:" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "r").exists()
+    args = ("privacy", "epsilon", "--sigma", "20", "--delta", "1e-5", "--sample-rate", "0.5", "--steps", "100")
+    via_m = m(*args)
+    assert via_m.returncode == 0 and via_m.stdout.strip(), via_m.stderr
+    script = Path(sys.executable).with_name("raysim")
+    if script.is_file():  # the installed console script prints the same
+        direct = subprocess.run([str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert direct.returncode == 0 and direct.stdout == via_m.stdout

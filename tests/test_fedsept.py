@@ -84,8 +84,10 @@ def test_dp_noise_on_A_has_calibrated_std_and_R_router_are_noise_free(env):
     assert A.grad.numel() == m.M * L * 32
     assert A.grad.std().item() == pytest.approx(expected, rel=0.06)
     assert abs(A.grad.mean().item()) < 4 * expected / math.sqrt(A.grad.numel())
-    assert torch.count_nonzero(R.grad) == 0
-    assert all(torch.count_nonzero(p.grad) == 0 for p in router.parameters())
+    # R and the router get no noise: their gradient (of a zero loss) stays far below the noise
+    # level sigma * clip / B = 0.375 that DP-SGD puts on A
+    assert R.grad.abs().max().item() < 1e-6 * expected
+    assert all(p.grad.abs().max().item() < 1e-6 * expected for p in router.parameters())
 
 
 def test_public_basis_bit_identical_across_hosts():
@@ -140,7 +142,8 @@ def test_diversity_sum_is_M_M_minus_1_times_mean():
     torch.testing.assert_close(s, 12 * m)
     same = torch.randn(L, 8).repeat(4, 1)  # collapsed experts: every off-diagonal cosine is 1
     assert diversity_loss(same, 4, "sum").item() == pytest.approx(12.0)
-    assert diversity_loss(torch.randn(L, 8), 1, "sum").item() == 0.0
+    # one expert: no off-diagonal pairs, so nothing to penalise
+    assert diversity_loss(torch.randn(L, 8), 1, "sum").item() == pytest.approx(0.0, abs=1e-12)
 
 
 def test_gate_loss_zero_iff_batch_mean_routing_is_uniform():
@@ -220,15 +223,19 @@ def test_options_are_validated_and_the_probe_is_inert_with_one_key():
     for bad in (dict(experts=0), dict(variant="moe"), dict(fusion="x"), dict(div_reduction="max"), dict(lambda_gate=-1)):
         with pytest.raises(ConfigError):
             dataclasses.replace(get_method("fedsept").Options(), **bad).validate()
-    # the module itself: with K patch tokens the probe query matters (it gets a gradient)
+    # the module itself: with K patch tokens the probe query matters (it gets a gradient). Both
+    # checks are relative to the gradient of the attention's in-projection, the router's own scale.
+    torch.manual_seed(0)
     r = Router(32, 4, heads=4, dropout=0.0, mode="patch")
     r(torch.randn(3, 7, 32)).pow(2).sum().backward()
-    assert r.probe.grad.abs().sum() > 0
+    # K keys: u's gradient is a real fraction of the router's (seen 0.04-0.06), not round-off
+    assert r.probe.grad.norm() > 1e-3 * r.attn.in_proj_weight.grad.norm()
     pooled = Router(32, 4, heads=4, dropout=0.0, mode="pooled")
     pooled(torch.randn(3, 32)).pow(2).sum().backward()
-    # one key: the attention weight is 1 and u is inert; torch's attention kernel leaves round-off (~1e-10
-    # against ~1e-3 with patch tokens) where the exact gradient is 0
-    assert pooled.probe.grad is None or pooled.probe.grad.abs().sum() < 1e-8
+    # one key: the softmax weight is 1 whatever u is, so u's gradient is 0 up to float32 round-off
+    # (seen 2e-11 to 8e-11 depending on the CPU, against ~1e-2 for the in-projection)
+    if pooled.probe.grad is not None:
+        assert pooled.probe.grad.norm() <= 1e-6 * pooled.attn.in_proj_weight.grad.norm()
     with pytest.raises(ConfigError):
         r(torch.randn(3, 32))
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from raysim.data import PartitionSpec, partition
+from raysim.data.partition import pathological_class_counts
 from raysim.errors import ConfigError
 from raysim.sampling import batch_indices, batches_per_epoch, generator, participants
 
@@ -53,9 +54,49 @@ def test_pathological_classes_are_disjoint_and_test_matches_train():
     assert set().union(*owned) == set(range(10))
 
 
-def test_pathological_needs_more_classes_than_clients():
-    with pytest.raises(ConfigError, match="num_clients"):
+def test_pathological_needs_at_least_one_class_per_client():
+    with pytest.raises(ConfigError, match=r"10 classes cannot be split over 20 clients \(lower num_clients to at most 10"):
         partition("pathological", spec(num_clients=20))
+
+
+def _spec_1_9_rule(C, K, seed):
+    """The rule as the code had it before any K <= C was allowed (SPEC 1.9, the official code)."""
+    per = max(1, int(round(C / K)))
+    order = np.random.default_rng([seed, 1]).permutation(C)
+    return [set(order[k * per : (k + 1) * per].tolist()) if k < K - 1 else set(order[(K - 1) * per :].tolist()) for k in range(K)]
+
+
+@pytest.mark.parametrize("C", [10, 37, 47])
+def test_pathological_works_for_every_k_up_to_c(C):
+    tr, te = labels(6, C), labels(2, C, seed=1)
+    for K in range(1, C + 1):
+        s = spec(train_labels=tr, test_labels=te, num_clients=K)
+        splits = partition("pathological", s)
+        owned = [set(tr[x.train].tolist()) for x in splits]
+        assert len(splits) == K and all(owned), K  # every client has at least one class
+        assert sum(len(o) for o in owned) == C and set().union(*owned) == set(range(C)), K  # disjoint, all used
+        assert all(set(te[x.test].tolist()) == o for x, o in zip(splits, owned)), K
+        counts, spec_rule = pathological_class_counts(C, K)
+        assert [len(o) for o in owned] == counts
+        if spec_rule:  # wherever SPEC 1.9's rule works, the split is exactly the one it gives
+            assert owned == _spec_1_9_rule(C, K, s.seed), K
+        else:  # elsewhere as even as possible
+            assert max(counts) - min(counts) <= 1, K
+
+
+def test_pathological_k6_of_10_classes_spreads_evenly():
+    splits = partition("pathological", spec(num_clients=6))
+    s = spec(num_clients=6)
+    assert [len(set(s.train_labels[x.train].tolist())) for x in splits] == [2, 2, 2, 2, 1, 1]
+    assert pathological_class_counts(10, 6) == ([2, 2, 2, 2, 1, 1], False)
+
+
+def test_pathological_keeps_the_spec_class_counts():
+    # SPEC 1.9, K=10: Pets 4 x 9 + 1, DTD 5 x 9 + 2, Food 10 x 9 + 11, Flowers 10 x 9 + 12, Caltech 10 x 10
+    for C, per, last in ((37, 4, 1), (47, 5, 2), (101, 10, 11), (102, 10, 12), (100, 10, 10)):
+        assert pathological_class_counts(C, 10) == ([per] * 9 + [last], True)
+    assert pathological_class_counts(10, 10) == ([1] * 10, True)
+    assert pathological_class_counts(10, 4) == ([2, 2, 2, 4], True)  # round(2.5) = 2, the code's rounding
 
 
 def test_smaller_beta_gives_more_label_skew():

@@ -6,6 +6,7 @@ set. Train indices are disjoint across clients and so are test indices.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -13,6 +14,8 @@ import numpy as np
 
 from raysim.errors import ConfigError
 from raysim.registry import Registry
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,21 +65,45 @@ def few_shot(splits: list[ClientSplit], labels: np.ndarray, shots: int, seed: in
     return out
 
 
+def pathological_class_counts(num_classes: int, num_clients: int) -> tuple[list[int], bool]:
+    """How many classes each client owns under partition=pathological, and whether that is SPEC 1.9's rule.
+
+    SPEC 1.9 (the official code): clients 0..K-2 take round(C/K) classes each and the last client the
+    remainder (Pets, C=37, K=10: nine clients with 4 and one with 1). That rule is kept wherever it
+    leaves the last client at least one class. Where it does not (C=10, K=6: 5 x round(10/6) = 10 leaves
+    nothing), the classes are spread as evenly as possible instead: C // K each, and the first C % K
+    clients one more (C=10, K=6: 2, 2, 2, 2, 1, 1). Any 1 <= K <= C works."""
+    C, K = int(num_classes), int(num_clients)
+    if not 1 <= K <= C:
+        raise ConfigError(
+            f"partition=pathological gives every client its own classes, so it needs at least one class per "
+            f"client; {C} classes cannot be split over {K} clients (lower num_clients to at most {C}, "
+            f"or use partition=dirichlet)."
+        )
+    per = max(1, int(round(C / K)))
+    if per * (K - 1) < C:
+        return [per] * (K - 1) + [C - per * (K - 1)], True
+    return [C // K + (1 if k < C % K else 0) for k in range(K)], False
+
+
 @PARTITIONERS.register("pathological")
 def pathological(spec: PartitionSpec) -> list[ClientSplit]:
-    """Disjoint class sets: shuffle the classes, client k takes a contiguous slice of round(C/K) classes
-    and the last client the remainder (SPEC 1.9); each client tests on all test images of its classes."""
+    """Disjoint class sets: shuffle the classes, client k takes the next contiguous slice of
+    `pathological_class_counts(C, K)` classes (SPEC 1.9's round(C/K) with the remainder on the last
+    client where that works, an even spread otherwise); each client tests on all test images of its classes."""
     C, K = spec.num_classes, spec.num_clients
-    per = max(1, int(round(C / K)))
-    if per * (K - 1) >= C:
-        raise ConfigError(
-            f"partition=pathological gives every client its own classes, so it needs more classes than "
-            f"clients; {C} classes cannot be shared by {K} clients (lower num_clients to at most {C})."
+    counts, spec_rule = pathological_class_counts(C, K)
+    if not spec_rule:
+        log.warning(
+            "partition=pathological: SPEC 1.9's rule (round(%d/%d) = %d classes per client, the remainder on the last) "
+            "would leave the last client no class; spreading the %d classes evenly instead: %s",
+            C, K, max(1, int(round(C / K))), C, counts,
         )
     order = np.random.default_rng([spec.seed, 1]).permutation(C)
+    bounds = np.concatenate([[0], np.cumsum(counts)])
     out = []
     for k in range(K):
-        owned = order[k * per : (k + 1) * per] if k < K - 1 else order[(K - 1) * per :]
+        owned = order[bounds[k] : bounds[k + 1]]
         out.append(
             ClientSplit(
                 np.flatnonzero(np.isin(spec.train_labels, owned)),

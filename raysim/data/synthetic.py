@@ -408,7 +408,9 @@ def generate(
         path = Path(os.path.expanduser(cache_dir)) / "synthetic" / f"{params.key()}.pt"
         if path.exists():
             try:
-                blob = torch.load(path, weights_only=False)
+                from raysim.store import safe_load
+
+                blob = safe_load(path)  # plain data only (tensors, numpy arrays, strings): a cache file cannot run code
                 return SyntheticSplit(**blob["train"]), SyntheticSplit(**blob["test"])
             except Exception:  # a corrupt or partial file: regenerate
                 pass
