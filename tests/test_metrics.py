@@ -74,7 +74,6 @@ def hand_built_host(owner: list[int], labels: list[int], predictions: dict[int, 
     """A ClientHost on a hand-built test set: row i belongs to client owner[i] (-1: to no client) with
     label labels[i]; client c's model predicts predictions[c][i] on row i. Only evaluate() is real."""
     host = object.__new__(ClientHost)
-    used = np.array(owner) >= 0
     x = torch.arange(len(owner), dtype=torch.float32)[:, None]  # the "input" is the row number
     y = torch.tensor(labels)
 
@@ -83,14 +82,21 @@ def hand_built_host(owner: list[int], labels: list[int], predictions: dict[int, 
             pred = torch.tensor(private["pred"])
             return lambda xb: torch.nn.functional.one_hot(pred[xb[:, 0].long()], classes).float()
 
+    from raysim.data.federation import FederationData
+    from raysim.evaluation import InCross
+
+    n_clients = max(max(owner), max(predictions)) + 1
+    fed = FederationData(
+        x_train=np.zeros((0, 1), np.float32), y_train=np.zeros(0, np.int64), x_test=x.numpy(), y_test=y.numpy(),
+        train_idx=[np.zeros(0, np.int64)] * n_clients,
+        test_idx=[np.flatnonzero(np.array(owner) == c) for c in range(n_clients)], classnames=[str(i) for i in range(classes)],
+    )
     host.method, host.env, host.device = Method(), None, torch.device("cpu")
-    host.cfg = SimpleNamespace(test_batch_size=2, dp=SimpleNamespace(enabled=False))  # batches of 2: tests the concatenation
+    host.protocol = InCross(fed, batch_size=2)  # batches of 2: tests the concatenation
     host.clients = sorted(predictions)
     host.data = {c: None for c in host.clients}
     host.private = {c: {"pred": p} for c, p in predictions.items()}
-    host.ledgers = {}
-    host.eval_x, host.eval_y, host.eval_t = x[torch.as_tensor(used)], y[torch.as_tensor(used)], None
-    host.eval_owner = np.array(owner)[used]
+    host.privacy = SimpleNamespace(epsilon=lambda cid: math.inf)
     return host
 
 
