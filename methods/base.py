@@ -36,15 +36,17 @@ class NoOptions:
 
 @dataclass
 class TrainConfig:
-    """The run-level knobs every method's local training sees (copied from RunConfig)."""
+    """The run-level knobs every method's local training sees. These defaults are the run's defaults:
+    RunConfig takes its values for these keys from here (one source), and the engine fills a method's
+    TrainConfig from the run's config field by field name."""
 
     local_epochs: int = 1
     batch_size: int = 32
-    lr: float = 0.002
+    lr: float = 0.01  # client SGD of the prompt methods (the papers use 0.001-0.002 with ViT-B/16)
     momentum: float = 0.9
     weight_decay: float = 5e-4
-    n_ctx: int = 16
-    ctx_init: str = ""
+    n_ctx: int = 4  # learned context tokens of the CoOp prompt (the papers use 16)
+    ctx_init: str = "a photo of a"  # PromptFL starts its context from this phrase; "" = random N(0, 0.02^2)
     rounds: int = 10
     num_clients: int = 10
     seed: int = 1

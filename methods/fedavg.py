@@ -138,7 +138,7 @@ class Homogeneous:
 
     def _train_head(self, env: HtEnv, head: nn.Module, feats: Tensor, y: Tensor, data: ClientData) -> float:
         head.train()
-        opt = torch.optim.SGD(head.parameters(), lr=self.opts.finetune_lr or self.opts.client_lr)
+        opt = torch.optim.SGD(head.parameters(), lr=self.opts.finetune_lr or self.client_lr)
         g = torch.Generator().manual_seed(self.train.seed * 1_000_003 + data.client_id)
         n, bs = data.num_train, self.train.batch_size
         losses = []
@@ -159,7 +159,7 @@ class Homogeneous:
 class Options:
     model: str = "fedavgcnn"  # the one architecture every client trains (any zoo model, e.g. resnet8, cnn_tiny)
     feature_dim: int = 512  # d, the pooled feature width before the head
-    client_lr: float = 0.01
+    client_lr: float = 0.0  # plain-SGD client lr; 0 = the run's lr
     shuffle: bool = False  # False = fixed data order (the official loaders)
     finetune_epochs: int = 0  # > 0: "-FT", each client evaluates the global model with its head fine-tuned
     finetune_lr: float = 0.0  # 0 = client_lr
@@ -167,8 +167,8 @@ class Options:
     def validate(self) -> None:
         if self.feature_dim < 1:
             raise ConfigError("fedavg.feature_dim must be >= 1")
-        if not self.client_lr > 0:
-            raise ConfigError("fedavg.client_lr must be > 0")
+        if self.client_lr < 0:
+            raise ConfigError("fedavg.client_lr must be >= 0 (0 = the run's lr)")
         validate_homogeneous(self, "fedavg")
 
 

@@ -31,7 +31,7 @@ class ZooOptions:
     lam: float = 1.0
     model_family: str = "HtFE2"  # HtFE2 | HtFE3 | HtFE4 | HtFE9 | tiny
     feature_dim: int = 512
-    client_lr: float = 0.01
+    client_lr: float = 0.0  # plain-SGD client lr; 0 = the run's lr
     shuffle: bool = False  # False = fixed data order (the official loaders)
 
 
@@ -48,8 +48,8 @@ def validate_common(o, name: str) -> None:
         raise ConfigError(f"{name}.model_family must be one of {', '.join(FAMILIES)}, got {o.model_family!r}")
     if o.feature_dim < 1:
         raise ConfigError(f"{name}.feature_dim must be >= 1")
-    if not o.client_lr > 0:
-        raise ConfigError(f"{name}.client_lr must be > 0")
+    if o.client_lr < 0:
+        raise ConfigError(f"{name}.client_lr must be >= 0 (0 = the run's lr)")
     if getattr(o, "lam", 0.0) < 0:
         raise ConfigError(f"{name}.lam must be >= 0")
     if getattr(o, "proto_weighting", "samples") not in ("samples", "uniform"):

@@ -58,7 +58,7 @@ class Options:
     lam: float = 7.0  # lambda, weight of the text-prototype alignment on clients
     model_family: str = "HtFE2"  # HtFE2 | HtFE3 | HtFE4 | HtFE9 | tiny
     feature_dim: int = 0  # d; 0 = the PLM's feature width (must equal it)
-    client_lr: float = 0.01
+    client_lr: float = 0.0  # plain-SGD client lr; 0 = the run's lr
     shuffle: bool = False  # False = fixed data order (the official loaders)
     handcrafted: bool = False  # ablation: the single prompt "A photo of a {class}."
     descriptions: str = ""  # a JSON file replacing the bundled descriptions of the dataset
@@ -78,7 +78,7 @@ class Options:
             (self.plm in ("clip", "bert"), f"fedtsp.plm must be clip or bert, got {self.plm!r}"),
             (self.len_prompt >= 0, "fedtsp.len_prompt must be >= 0"),
             (self.prompt_epochs >= 0, "fedtsp.prompt_epochs must be >= 0"),
-            (self.prompt_lr > 0 and self.client_lr > 0, "fedtsp.prompt_lr and fedtsp.client_lr must be > 0"),
+            (self.prompt_lr > 0 and self.client_lr >= 0, "fedtsp.prompt_lr must be > 0 and fedtsp.client_lr >= 0 (0 = the run's lr)"),
             (self.lam >= 0, "fedtsp.lam must be >= 0"),
             (self.model_family.lower() in {f.lower() for f in FAMILIES},
              f"fedtsp.model_family must be one of {', '.join(FAMILIES)}, got {self.model_family!r}"),

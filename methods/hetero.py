@@ -57,6 +57,22 @@ class HeteroMethod(Method):
 
     image_size = 32  # the zoo's input size
 
+    def __init__(self, train: Any, options: Any, dp: Any = None) -> None:
+        super().__init__(train, options, dp)
+        from raysim.methods.base import TrainConfig
+
+        plain = TrainConfig()
+        if (train.momentum, train.weight_decay) != (plain.momentum, plain.weight_decay):
+            raise ConfigError(
+                f"{self.name} trains its client models with plain SGD (SPEC 2.4): momentum and weight_decay do not "
+                f"apply; leave them at their defaults ({plain.momentum}, {plain.weight_decay}) and set lr or {self.name}.client_lr"
+            )
+
+    @property
+    def client_lr(self) -> float:
+        """The clients' plain-SGD learning rate: the method's client_lr, or the run's lr when it is 0."""
+        return float(self.opts.client_lr or self.train.lr)
+
     def needs(self) -> Needs:
         return Needs(input="images", image_size=self.image_size)
 
@@ -95,7 +111,7 @@ class HeteroMethod(Method):
         """E local epochs of CE(h(f(x)), y) + extra_loss(f(x), y); plain SGD at the client lr, fresh each
         round; drop_last batches, in the data's order (the official loaders) or shuffled (`shuffle`)."""
         model.train()
-        opt = torch.optim.SGD(model.parameters(), lr=self.opts.client_lr)
+        opt = torch.optim.SGD(model.parameters(), lr=self.client_lr)
         n, bs = data.num_train, self.train.batch_size
         losses = []
         for _ in range(self.train.local_epochs):

@@ -14,7 +14,7 @@ from raysim.methods.hetero import HeteroMethod, snapshot
 class Options:
     model_family: str = "HtFE2"  # HtFE2 | HtFE3 | HtFE4 | HtFE9 | tiny
     feature_dim: int = 512
-    client_lr: float = 0.01
+    client_lr: float = 0.0  # plain-SGD client lr; 0 = the run's lr
     shuffle: bool = False
 
     def validate(self) -> None:

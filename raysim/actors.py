@@ -11,6 +11,7 @@ checkpoint; metrics go to the driver, never to the server.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -42,18 +43,7 @@ class ClientReport:
 
 def make_method(cfg: RunConfig) -> Method:
     cls = get_method(cfg.method)
-    train = TrainConfig(
-        local_epochs=cfg.local_epochs,
-        batch_size=cfg.batch_size,
-        lr=cfg.lr,
-        momentum=cfg.momentum,
-        weight_decay=cfg.weight_decay,
-        n_ctx=cfg.n_ctx,
-        ctx_init=cfg.ctx_init,
-        rounds=cfg.rounds,
-        num_clients=cfg.num_clients,
-        seed=cfg.seed,
-    )
+    train = TrainConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)})
     return cls(train, cfg.method_options(), cfg.dp)
 
 

@@ -19,11 +19,10 @@ from typing import Any, Mapping
 import yaml
 
 from raysim.errors import ConfigError
+from raysim.methods.base import TrainConfig
 
-PARTITIONS = ("pathological", "dirichlet", "domain", "iid")
-BACKENDS = ("ray", "inline")
+_TRAIN = TrainConfig()  # the one source of the training defaults (methods receive a TrainConfig)
 PLACEMENTS = ("pooled", "actor_per_client")
-ACCOUNTANTS = ("rdp", "prv")
 
 
 @dataclass
@@ -68,21 +67,21 @@ class RunConfig:
     beta: float = 0.5  # Dirichlet concentration (dirichlet and domain partitions)
     shots: int = 16  # training images per class per client (0 = all)
     min_samples: int = 10  # dirichlet: redraw until every client has this many train and test samples
-    num_clients: int = 10
+    num_clients: int = _TRAIN.num_clients
     participation: float = 1.0  # fraction of clients sampled per round, in (0, 1]
-    rounds: int = 10
-    local_epochs: int = 1
-    batch_size: int = 32
+    rounds: int = _TRAIN.rounds
+    local_epochs: int = _TRAIN.local_epochs
+    batch_size: int = _TRAIN.batch_size
     test_batch_size: int = 512
-    lr: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    seed: int = 1
+    lr: float = _TRAIN.lr
+    momentum: float = _TRAIN.momentum
+    weight_decay: float = _TRAIN.weight_decay
+    seed: int = _TRAIN.seed
     # model
     model: str = "raysim-clip"  # any open_clip model name (ViT-B-16, ...), raysim-clip (bundled) or raysim-tiny
     pretrained: str = "bundled"  # open_clip tag (openai, ...), a checkpoint path, "bundled" (raysim-clip), "" = random init
-    n_ctx: int = 4  # learned context tokens of the CoOp prompt learner (the papers use 16 with ViT-B/16)
-    ctx_init: str = "a photo of a"  # PromptFL starts its context from this phrase (n_ctx tokens); "" = random
+    n_ctx: int = _TRAIN.n_ctx  # learned context tokens of the CoOp prompt learner (the papers use 16 with ViT-B/16)
+    ctx_init: str = _TRAIN.ctx_init  # PromptFL starts its context from this phrase (n_ctx tokens); "" = random
     # evaluation (SPEC 1.10: every eval_every rounds plus each of the last eval_last rounds)
     evaluation: str = "in_cross"  # the evaluation protocol (raysim/evaluation.py): in_cross = In / Cross-Client
     eval_every: int = 5
@@ -313,8 +312,11 @@ def validate(cfg: RunConfig) -> None:
     if cfg.dataset.lower() not in dataset_names():
         raise ConfigError(f"unknown dataset {cfg.dataset!r}. Valid choices: {', '.join(dataset_names())}.")
     cfg.dataset = cfg.dataset.lower()
-    _check(cfg.partition in PARTITIONS, f"partition must be one of {', '.join(PARTITIONS)}, got {cfg.partition!r}")
-    _check(cfg.backend in BACKENDS, f"backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
+    from raysim.backends import BACKENDS
+    from raysim.data import PARTITIONERS
+
+    _check(cfg.partition in PARTITIONERS, f"partition must be one of {', '.join(PARTITIONERS.names())}, got {cfg.partition!r}")
+    _check(cfg.backend in BACKENDS, f"backend must be one of {', '.join(sorted(BACKENDS))}, got {cfg.backend!r}")
     from raysim.evaluation import PROTOCOLS
 
     _check(cfg.evaluation in PROTOCOLS, f"evaluation must be one of {', '.join(PROTOCOLS.names())}, got {cfg.evaluation!r}")
@@ -343,12 +345,16 @@ def validate(cfg: RunConfig) -> None:
     _check(dp.epsilon > 0, f"dp.epsilon must be > 0 (inf turns DP off), got {dp.epsilon}")
     _check(0 < dp.delta < 1, f"dp.delta must be in (0, 1), got {dp.delta}")
     _check(dp.clip > 0, f"dp.clip must be > 0, got {dp.clip}")
+    from raysim.privacy.accountant import ACCOUNTANTS
+    from raysim.privacy.mechanisms import MECHANISMS
+
     _check(dp.accountant in ACCOUNTANTS, f"dp.accountant must be one of {', '.join(ACCOUNTANTS)}, got {dp.accountant!r}")
     _check(dp.microbatch >= 1, f"dp.microbatch must be >= 1, got {dp.microbatch}")
     _check(dp.calibration in ("participated", "all_rounds"), "dp.calibration must be participated or all_rounds")
     _check(dp.level in ("sample", "client"), f"dp.level must be sample or client, got {dp.level!r}")
     _check(dp.sampling in ("poisson", "shuffle"), f"dp.sampling must be poisson or shuffle, got {dp.sampling!r}")
-    _check(dp.prototypes in ("igpp", "vpp"), f"dp.prototypes must be igpp or vpp, got {dp.prototypes!r}")
+    protos = [n for n in MECHANISMS.names() if MECHANISMS.get(n).applied == "release" and n != "embedding"]
+    _check(dp.prototypes in protos, f"dp.prototypes must be one of {', '.join(protos)}, got {dp.prototypes!r}")
     _check(dp.proto_clip > 0, f"dp.proto_clip must be > 0, got {dp.proto_clip}")
     _check(0 < dp.vpp_rho <= 0.5, f"dp.vpp_rho must be in (0, 0.5], got {dp.vpp_rho}")
     _check(dp.vpp_H > 0, f"dp.vpp_H must be > 0, got {dp.vpp_H}")

@@ -119,3 +119,50 @@ def test_python_dash_m_raysim_is_the_console_script(tmp_path):
     if script.is_file():  # the installed console script prints the same
         direct = subprocess.run([str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert direct.returncode == 0 and direct.stdout == via_m.stdout
+
+
+def test_defaults_have_one_source_and_the_readme_table_states_them():
+    """RunConfig's training keys default to TrainConfig's (what a method built directly gets), and the
+    README's config table states each top-level default the code has."""
+    import dataclasses
+    import re
+
+    from raysim.config import DPConfig, RunConfig
+    from raysim.methods.base import TrainConfig
+
+    run, train = RunConfig(), TrainConfig()
+    for f in dataclasses.fields(TrainConfig):
+        assert getattr(run, f.name) == getattr(train, f.name), f.name
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("### Config reference"):readme.index("## How it works")]
+    rows = {}
+    for line in table.splitlines():
+        m = re.match(r"\| (`[^|]+`) \| ([^|]*) \|", line)
+        if m:
+            keys = re.findall(r"`([^`]+)`", m.group(1))
+            vals = [v.strip() for v in m.group(2).split(",")] if len(keys) > 1 else [m.group(2).strip()]
+            rows.update(zip(keys, vals))
+
+    def shown(v):
+        if isinstance(v, bool):
+            return str(v).lower()
+        if isinstance(v, float) and math.isinf(v):
+            return "inf"
+        if isinstance(v, str):
+            return v
+        return repr(v) if isinstance(v, float) else str(v)
+
+    checked = 0
+    for obj, prefix in ((run, ""), (DPConfig(), "dp.")):
+        for f in dataclasses.fields(obj):
+            key, value = prefix + f.name, getattr(obj, f.name)
+            if key not in rows or isinstance(value, (dict, DPConfig)) or key in ("out_dir", "cache_dir"):
+                continue
+            cell = rows[key].strip('"')
+            want = shown(value)
+            if isinstance(value, float) and not math.isinf(value):
+                assert float(cell) == pytest.approx(value), key
+            else:
+                assert cell == want, (key, cell, want)
+            checked += 1
+    assert checked > 30
