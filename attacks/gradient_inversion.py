@@ -43,7 +43,6 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from raysim.data.base import CLIP_MEAN, CLIP_STD
-from raysim.errors import ConfigError
 
 SharedGrad = Callable[[Tensor, Tensor], Tensor]  # (normalised images (B, 3, S, S), labels (B,)) -> d loss / d shared
 

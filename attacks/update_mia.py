@@ -328,8 +328,8 @@ def audit_run(
     "own_test" (the target's own test samples of its classes; see the module docstring)."""
     import pandas as pd
 
-    from raysim.config import build_config, load_yaml
     from raysim.actors import make_method
+    from raysim.config import build_config, load_yaml
     from raysim.engine import prepare_data
     from raysim.metrics import summarize
 

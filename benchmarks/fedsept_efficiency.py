@@ -135,7 +135,9 @@ def measure(name, method, env, args, device) -> dict[str, float]:
     comm_kib = 2 * sum(t.numel() * t.element_size() for t in shared.values()) / 1024
 
     # one local round (DP-SGD on the uploaded tensor, as in the paper's setting)
-    privacy = DPSGD(sigma=1.0, clip=1.0, sample_rate=min(1.0, args.batch / n), generator=torch.Generator().manual_seed(1)) if args.dp else NoDP()
+    privacy = NoDP()
+    if args.dp:
+        privacy = DPSGD(sigma=1.0, clip=1.0, sample_rate=min(1.0, args.batch / n), generator=torch.Generator().manual_seed(1))
     sync(device)
     t0 = time.perf_counter()
     res = method.local_train(env, shared, private, data, rng=torch.Generator().manual_seed(2), privacy=privacy)
@@ -179,7 +181,8 @@ def measure(name, method, env, args, device) -> dict[str, float]:
 def table(rows: list[tuple[str, dict[str, float]]], ref: str = "FedSEPT") -> str:
     r = dict(rows)[ref]
     cols = [("comm", "Comm. (KiB)", "{:.2f}"), ("lat", "Lat. (ms)", "{:.3f}"), ("flops", "FLOPs (G)", "{:.4g}"),
-            ("first", "1st pass (ms)", "{:.1f}"), ("first_flops", "1st-pass FLOPs (G)", "{:.4g}"), ("train", "Train (s/r)", "{:.3f}"), ("mem", "Mem. (MB)", "{:.1f}"), ("mem_delta", "+Mem. (MB)", "{:.1f}")]
+            ("first", "1st pass (ms)", "{:.1f}"), ("first_flops", "1st-pass FLOPs (G)", "{:.4g}"), ("train", "Train (s/r)", "{:.3f}"),
+            ("mem", "Mem. (MB)", "{:.1f}"), ("mem_delta", "+Mem. (MB)", "{:.1f}")]
     from raysim.metrics import markdown_table
 
     body = []

@@ -57,7 +57,7 @@ def draw_clients(labels: np.ndarray, clients: int, samples: int, seed: int) -> l
         raise SystemExit(f"--samples {samples} > {len(classes)} classes: a client's images must have distinct classes")
     pool = {int(c): list(rng.permutation(np.flatnonzero(labels == c))) for c in classes}
     out = []
-    for k in range(clients):
+    for _ in range(clients):
         chosen = rng.choice(classes, size=samples, replace=False)
         if any(not pool[int(c)] for c in chosen):
             raise SystemExit(f"not enough images for {clients} clients x {samples} samples")
@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--method", default="fedsept", choices=["fedsept", "promptfl"])
     p.add_argument("--model", default="raysim-clip", help="CLIP model (raysim-tiny with --pretrained '' is a fast random one)")
-    p.add_argument("--pretrained", default="bundled", help="'bundled' (raysim-clip's shipped weights), an open_clip tag, a path, '' = random")
+    p.add_argument("--pretrained", default="bundled",
+                   help="'bundled' (raysim-clip's shipped weights), an open_clip tag, a path, '' = random")
     p.add_argument("--dataset", default="digits", help="a dataset of the registry (digits, synthetic, ...)")
     p.add_argument("--data-root", default="./data")
     p.add_argument("--cache-dir", default="~/.cache/raysim")
@@ -236,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
 def report(args) -> int:
     t0 = time.perf_counter()
     rows, extra = attack(args)
-    dp = "no DP" if not extra["sigma"] else f"DP-SGD eps={args.epsilon:g} (one step), delta={args.delta:g}, sigma={extra['sigma']:.3f}, clip={args.clip:g}"
+    dp = "no DP" if not extra["sigma"] else (
+        f"DP-SGD eps={args.epsilon:g} (one step), delta={args.delta:g}, sigma={extra['sigma']:.3f}, clip={args.clip:g}")
     print(f"### Gradient inversion: {args.method}, {args.model} ({args.pretrained or 'random'}), {args.dataset}; "
           f"{args.clients} clients x {args.samples} images, one SGD step eta={args.eta:g}, {dp}; "
           f"{args.iterations} iterations x {args.restarts} restarts, Adam lr {args.lr:g}, TV {args.tv:g}, seed {args.seed}\n")

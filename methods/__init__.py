@@ -1,5 +1,16 @@
 """Federated methods, one module each; every module registers its class on import."""
 
+from raysim.methods import (
+    fedavg,  # noqa: F401,E402
+    fedproto,  # noqa: F401,E402
+    fedsept,  # noqa: F401,E402
+    fedtgp,  # noqa: F401,E402
+    fedtsp,  # noqa: F401,E402
+    fedtsp_homo,  # noqa: F401,E402
+    local,  # noqa: F401,E402
+    promptfl,  # noqa: F401,E402
+    zeroshot,  # noqa: F401,E402
+)
 from raysim.methods.base import (
     METHODS,
     ClientData,
@@ -11,16 +22,6 @@ from raysim.methods.base import (
     Upload,
     register_method,
 )
-
-from raysim.methods import promptfl  # noqa: F401,E402
-from raysim.methods import zeroshot  # noqa: F401,E402
-from raysim.methods import fedsept  # noqa: F401,E402
-from raysim.methods import fedtsp  # noqa: F401,E402
-from raysim.methods import fedproto  # noqa: F401,E402
-from raysim.methods import fedtgp  # noqa: F401,E402
-from raysim.methods import local  # noqa: F401,E402
-from raysim.methods import fedavg  # noqa: F401,E402
-from raysim.methods import fedtsp_homo  # noqa: F401,E402
 
 
 def get_method(name: str) -> type[Method]:

@@ -193,7 +193,9 @@ class Method:
     def init_shared(self, env: Any, rng: torch.Generator) -> dict[str, Tensor]:
         raise NotImplementedError
 
-    def aggregate(self, env: Any, shared: dict[str, Tensor], uploads: list[Upload], rng: torch.Generator) -> "dict[str, Tensor] | ServerResult":
+    def aggregate(
+        self, env: Any, shared: dict[str, Tensor], uploads: list[Upload], rng: torch.Generator
+    ) -> "dict[str, Tensor] | ServerResult":
         raise NotImplementedError
 
     # -- client half -------------------------------------------------------------------------

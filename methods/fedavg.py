@@ -31,10 +31,9 @@ from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, LocalResult, Upload, register_method
 from raysim.methods.common import weighted_mean
 from raysim.methods.hetero import HeteroMethod, HtEnv
-from raysim.privacy.mechanisms import update
 from raysim.models.zoo import FAMILIES, HtModel, make_client_model
+from raysim.privacy.mechanisms import update
 from raysim.sampling import epoch_batches
-
 
 # every architecture of the zoo (all ResNet-n are in HtFE9)
 ARCHS: tuple[str, ...] = tuple(dict.fromkeys(a for fam in FAMILIES.values() for a in fam))

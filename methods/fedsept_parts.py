@@ -13,7 +13,6 @@ from torch import Tensor, nn
 
 from raysim.errors import ConfigError
 
-
 # -- SEM: P_m = A_m B0 + R (Eq. 5) --------------------------------------------------------------
 
 def public_basis(seed: int, rank: int, width: int) -> Tensor:

@@ -12,7 +12,6 @@ from torch import Tensor
 from raysim.errors import ConfigError
 
 
-
 def update_norm(update: dict[str, Tensor]) -> float:
     return math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in update.values()))
 

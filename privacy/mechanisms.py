@@ -19,7 +19,6 @@ ledger entry composes through the same accountant (one epsilon conversion everyw
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 

@@ -9,12 +9,15 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:
+    import torch
 
 import numpy as np
 
-from raysim.data.federation import FederationData
 from raysim.config import RunConfig, build_config, load_yaml
+from raysim.data.federation import FederationData
 from raysim.errors import ConfigError, RunFolderLocked
 from raysim.metrics import RunLogger, harmonic_mean, summarize, summary_table
 from raysim.sampling import participants
@@ -51,7 +54,7 @@ def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationDat
     `needs` is the method's declared `Needs` (input kind and size, image tokens)."""
     from raysim.data import DATASETS, LoadSpec, PartitionSpec, partition
     from raysim.data.features import cached_image_features
-    from raysim.models.clip import ModelSpec, image_size_of, load_clip, register_builtin_configs, resolve_device
+    from raysim.models.clip import ModelSpec, load_clip, register_builtin_configs, resolve_device
 
     register_builtin_configs()
     import open_clip
@@ -185,7 +188,9 @@ def resolve_out_dir(cfg: RunConfig) -> tuple[Path, int]:
     if out.exists() and any(p.name != LOCK_NAME for p in out.iterdir()):
         holder = RunLock(out).holder()
         if holder is not None:
-            raise RunFolderLocked(f"out_dir {out} is being written by a run that is still going ({RunLock.describe(holder)}); choose another out_dir")
+            raise RunFolderLocked(
+                f"out_dir {out} is being written by a run that is still going ({RunLock.describe(holder)}); choose another out_dir"
+            )
         raise ConfigError(
             f"out_dir {out} already holds files; pass resume={out} to continue that run, or choose another out_dir"
         )
@@ -205,8 +210,8 @@ def run(cfg: RunConfig, *, on_round: Optional[Callable[[dict[str, Any]], None]] 
 
 
 def _run(cfg: RunConfig, out_dir: Path, done: int, on_round: Optional[Callable[[dict[str, Any]], None]]) -> RunResult:
-    from raysim.backends import BACKENDS
     from raysim.actors import make_method
+    from raysim.backends import BACKENDS
 
     method = make_method(cfg)
     if done >= cfg.rounds - 1:

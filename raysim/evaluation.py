@@ -10,7 +10,7 @@ here too, and the run picks one with `evaluation=NAME`.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
 import torch

@@ -31,7 +31,10 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+
+if TYPE_CHECKING:
+    import pandas
 
 from raysim.cluster import init_ray, plan_hosts
 from raysim.config import RunConfig, build_config, deep_merge, load_yaml, parse_overrides
@@ -147,7 +150,9 @@ def _check_base(base: Any) -> tuple[dict[str, Any], RunConfig]:
 
 def _check_space(base: Mapping[str, Any], space: Any) -> dict[str, dict[str, list[Any]]]:
     if not isinstance(space, Mapping) or not space:
-        raise ConfigError("space: must map at least one config key to {grid: [...]}, {choice: [...]}, {uniform: [lo, hi]} or {loguniform: [lo, hi]}")
+        raise ConfigError(
+            "space: must map at least one config key to {grid: [...]}, {choice: [...]}, {uniform: [lo, hi]} or {loguniform: [lo, hi]}"
+        )
     return {str(key): _check_dimension(base, str(key), dist) for key, dist in space.items()}
 
 
@@ -620,7 +625,8 @@ def write_plots(df, spec: Mapping[str, Any], exp_dir: Path) -> list[Path]:
         pos = {v: i for i, v in enumerate(uniq)}
         groups = df.groupby(others, dropna=False, sort=True) if others else [((), df)]
         for gkey, g in groups:
-            g = g.sort_values(by=key, key=lambda s: s.map(lambda v: pos[v]) if categorical else s)
+            order = pos  # bound now: the key function runs inside this iteration only
+            g = g.sort_values(by=key, key=lambda s, order=order: s.map(order.__getitem__) if categorical else s)
             x = [pos[v] for v in g[key]] if categorical else g[key].astype(float)
             gkey = gkey if isinstance(gkey, tuple) else (gkey,)
             label = ", ".join(f"{k}={_fmt_cell(v)}" for k, v in zip(others, gkey)) or None

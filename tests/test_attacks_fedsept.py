@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from conftest import tiny_config
+
 from raysim.attacks.update_mia import (
     QUERY_FEATURES,
     UPDATE_FEATURES,

@@ -18,7 +18,7 @@ def _bench():
 
 
 def _cells(out: str, row: str) -> list[str]:
-    line = next(l for l in out.splitlines() if l.startswith(f"| {row} |"))
+    line = next(ln for ln in out.splitlines() if ln.startswith(f"| {row} |"))
     return [c.strip() for c in line.strip("|").split("|")][1:]
 
 

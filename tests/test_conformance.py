@@ -90,7 +90,7 @@ def test_dp_is_applied_or_refused_before_anything_is_written(tmp_path, name, lev
         from raysim.run import main
 
         out = tmp_path / "refused"
-        args = [f"method={name}", f"dp.epsilon=4", f"dp.level={level}", f"out_dir={out}", "backend=inline",
+        args = [f"method={name}", "dp.epsilon=4", f"dp.level={level}", f"out_dir={out}", "backend=inline",
                 "dataset=digits", "progress=false", f"cache_dir={tmp_path / 'c'}"]
         args += [f"{name}.{k}={v}" for k, v in FAST.get(name, {}).items()]
         assert main(args) == 2 and not out.exists()

@@ -12,8 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from raysim.data import DATASETS, LoadSpec, dataset_names
-from raysim.data import folders
+from raysim.data import DATASETS, LoadSpec, dataset_names, folders
 from raysim.errors import DataError
 
 S = 16  # model image size in these tests

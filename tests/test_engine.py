@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import tiny_config
+
 from raysim.engine import eval_rounds, run
 from raysim.errors import ConfigError, UploadViolation
 from raysim.metrics import TIMING_COLUMNS

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from raysim.actors import check_upload
 from raysim.errors import ConfigError, UploadViolation
 from raysim.methods import ClientData, EnvSpec, TrainConfig, get_method
-from raysim.models.clip import ModelSpec, build_clip_env
 from raysim.methods.fedsept_parts import Router, diversity_loss, gate_loss
+from raysim.models.clip import ModelSpec, build_clip_env
 from raysim.privacy.dpsgd import DPSGD, NoDP, per_sample_grads
 
 CLASSES = ["zero", "one", "two", "three", "four"]

@@ -13,13 +13,12 @@ import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from conftest import tiny_config  # noqa: E402
 
 from raysim.errors import ConfigError  # noqa: E402
 from raysim.methods import ClientData, TrainConfig, get_method  # noqa: E402
 from raysim.models.clip import ModelSpec, build_clip_env, encode_images, load_clip  # noqa: E402
 from raysim.store import StateStore  # noqa: E402
-
-from conftest import tiny_config  # noqa: E402
 
 CLASSES = ["zero", "one", "two", "three", "four"]
 

@@ -7,9 +7,8 @@ import math
 import os
 
 import pytest
-
-from conftest import run_on_digits
 import torch
+from conftest import run_on_digits
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -322,8 +321,8 @@ def test_semantic_measures_on_toy_hierarchy():
 
 
 def test_bundled_descriptions_cover_datasets():
-    from raysim.data.synthetic import CLASS_POOL
     from raysim.data.digits import DIGIT_NAMES
+    from raysim.data.synthetic import CLASS_POOL
     from raysim.methods.fedtsp_descriptions import class_prompts, load_descriptions
     from raysim.methods.fedtsp_semantics import CIFAR10_PATHS, CIFAR100_SUPERCLASSES
 

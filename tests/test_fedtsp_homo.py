@@ -9,16 +9,15 @@ import math
 import os
 
 import pytest
-
-from conftest import run_on_digits
 import torch
 import torch.nn.functional as F
+from conftest import run_on_digits
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from raysim.methods.base import ClientData, EnvSpec, ServerResult, TrainConfig, Upload  # noqa: E402
-from raysim.privacy import NoDP  # noqa: E402
 from raysim.models.clip import ModelSpec  # noqa: E402
+from raysim.privacy import NoDP  # noqa: E402
 
 C = 3
 SPEC = EnvSpec(model=ModelSpec("raysim-tiny", ""), classnames=["zero", "one", "two"], dataset="digits")
@@ -79,7 +78,7 @@ def test_flat_weights_round_trip_with_batchnorm_buffers(arch):
 # ------------------------------------------------------------------------------------ aggregation
 @pytest.mark.parametrize("name", ["fedavg", "fedtsp_gfl"])
 def test_aggregation_is_sample_weighted_mean_of_client_models(name, servers):
-    from raysim.methods.fedavg import flatten_state, load_flat
+    from raysim.methods.fedavg import load_flat
 
     env_s, shared = servers[name]
     server, client = _method(name), _method(name)

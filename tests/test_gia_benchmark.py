@@ -23,10 +23,10 @@ def test_gia_benchmark_table_and_png(tmp_path, cache_dir, capsys):
     # the clients share theta_pre and R = 0: the text Jacobian is computed for the first and reused
     assert re.search(r"client 0: .*text Jacobian at theta_pre computed", err)
     assert re.search(r"client 1: .*text Jacobian at theta_pre reused", err)
-    lines = [l for l in out.splitlines() if l.startswith("|")]
+    lines = [ln for ln in out.splitlines() if ln.startswith("|")]
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     assert header[:5] == ["Client", "GradCos", "PSNR (dB)", "CLIPCos", "Top-1"] and "GradCos (rand)" in header
-    rows = {l.strip("|").split("|")[0].strip(): [c.strip() for c in l.strip("|").split("|")] for l in lines[2:]}
+    rows = {ln.strip("|").split("|")[0].strip(): [c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]}
     assert list(rows) == ["0", "1", "mean"]
     for cells in rows.values():
         cell = dict(zip(header, cells))

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
 from conftest import tiny_config
+
 from raysim.actors import ClientHost
 from raysim.engine import mean_of_defined, resume_config, run
 from raysim.metrics import ROUND_COLUMNS, CsvTable, harmonic_mean, markdown_table, summarize, summary_table, write_curves

@@ -6,8 +6,7 @@ import warnings
 import pytest
 
 from raysim.errors import ConfigError, PrivacyBudgetExceeded
-from raysim.privacy import PrivacyLedger, Release, epsilon_spent, gaussian_rdp_sigma, noise_multiplier
-from raysim.privacy import cli
+from raysim.privacy import PrivacyLedger, Release, cli, epsilon_spent, gaussian_rdp_sigma, noise_multiplier
 
 
 @pytest.mark.parametrize(

@@ -10,11 +10,11 @@ import math
 
 import pytest
 import torch
-
 from conftest import tiny_config
+
 from raysim.config import DPConfig
 from raysim.errors import UploadViolation
-from raysim.methods import NoOptions, TrainConfig, get_method
+from raysim.methods import TrainConfig, get_method
 from raysim.privacy.host import HostPrivacy
 
 DELTA = 1e-5
@@ -210,9 +210,9 @@ def test_an_upload_its_mechanism_did_not_privatise_is_refused():
 @pytest.mark.parametrize("accountant", ["rdp", "prv"])
 def test_full_dp_run_spends_its_target_and_absent_clients_spend_nothing(tmp_path, cache_dir, accountant):
     from raysim.engine import run
+    from raysim.privacy.ledger import PrivacyLedger
     from raysim.sampling import schedule
     from raysim.store import StateStore
-    from raysim.privacy.ledger import PrivacyLedger
 
     seed, rounds, K, part = 5, 4, 4, 0.25
     sched = schedule(seed, rounds, K, part)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_config
+
 from raysim.engine import resume_config, run
 from raysim.errors import CheckpointError, RunFolderLocked
 from raysim.store import LOCK_NAME, RunLock, StateStore

@@ -1,10 +1,9 @@
 """Datasets (registry), partitions, and the frozen-feature cache."""
 
-from raysim.data.base import DATASETS, DatasetBundle, ImageSet, LoadSpec, TensorImages, register_dataset
-from raysim.data.partition import PARTITIONERS, ClientSplit, PartitionSpec, partition
-
 # dataset modules register themselves on import
 from raysim.data import digits, folders, synthetic  # noqa: F401,E402
+from raysim.data.base import DATASETS, DatasetBundle, ImageSet, LoadSpec, TensorImages, register_dataset
+from raysim.data.partition import PARTITIONERS, ClientSplit, PartitionSpec, partition
 
 
 def dataset_names() -> list[str]:

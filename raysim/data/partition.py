@@ -172,7 +172,9 @@ def domain(spec: PartitionSpec) -> list[ClientSplit]:
     """Domain + label skew: clients are split evenly over the domains, and each domain's data is split
     over its clients with a Dirichlet(beta) label skew."""
     if spec.train_domains is None or spec.test_domains is None:
-        raise ConfigError("partition=domain needs a dataset with domains (synthetic, pacs, office31, officehome, domainnet, office_caltech10)")
+        raise ConfigError(
+            "partition=domain needs a dataset with domains (synthetic, pacs, office31, officehome, domainnet, office_caltech10)"
+        )
     domains = np.unique(spec.train_domains)
     D, K = len(domains), spec.num_clients
     if K % D != 0:
