@@ -10,7 +10,7 @@ import logging
 import os
 from typing import Any
 
-from raysim.actors import ClientHost, ClientReport, FederationData, ServerHost
+from raysim.actors import ClientHost, ClientReport, FederationData, ServerHost, check_round
 from raysim.config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -28,6 +28,7 @@ class InlineBackend:
         hosts = 1 if cfg.placement == "pooled" and cfg.num_actors == 0 else (
             cfg.num_clients if cfg.placement == "actor_per_client" else cfg.num_actors
         )
+        self.cfg = cfg
         self.groups = assign_clients(cfg.num_clients, min(hosts, cfg.num_clients))
         self.server = ServerHost(cfg, data.classnames, out_dir, resume_round)
         self.hosts = [ClientHost(cfg, data, g, out_dir, resume_round) for g in self.groups]
@@ -43,6 +44,7 @@ class InlineBackend:
                 ups, reps = host.train(round_idx, mine, shared)
                 upload_lists.append(ups)
                 reports += reps
+        check_round(self.cfg, round_idx, reports)  # on_client_error: stop, or aggregate without the dropped
         stats = self.server.aggregate(round_idx, *upload_lists)
         return sorted(reports, key=lambda r: r.client_id), stats
 
@@ -171,6 +173,7 @@ class RayBackend:
             return reps
 
         reports = self._get_each({i: submit(i) for i in mine}, submit, replay=False)
+        check_round(self.cfg, round_idx, [r for i in sorted(reports) for r in reports[i]])
         self._round["uploads"] = [upload_refs[i] for i in sorted(upload_refs)]
         stats = self._server_call(lambda: self.server.aggregate.remote(round_idx, *self._round["uploads"]), aggregated=False)
         flat = [r for i in sorted(reports) for r in reports[i]]

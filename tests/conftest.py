@@ -23,7 +23,17 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+        # Ray workers inherit this environment: tests/ on their path lets actors import test-only modules
+        # (tests/flaky_method.py) the way this process does; restored for the rest of the session
+        here, before = os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, before) if p)
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+        finally:
+            if before is None:
+                os.environ.pop("PYTHONPATH", None)
+            else:
+                os.environ["PYTHONPATH"] = before
     yield ray
     ray.shutdown()
 
