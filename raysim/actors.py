@@ -174,7 +174,6 @@ class ClientHost:
                 if saved is not None:
                     self.private[cid] = saved[0]
                     self.privacy.restore(cid, saved[1])
-                log.warning("round %d: client %d failed: %s", round_idx, cid, error)
                 reports.append(ClientReport(cid, math.nan, 0, self.epsilon(cid), {}, dropped=True, error=error))
                 if not drop:
                     break
@@ -207,6 +206,7 @@ class ClientHost:
         except RaysimError:
             raise
         except Exception as e:  # noqa: BLE001 - any fault of the client's training is the policy's business
+            log.debug("round %d: client %d raised", round_idx, cid, exc_info=True)  # the whole traceback, for debugging
             frame = traceback.extract_tb(e.__traceback__)[-1]
             return f"{type(e).__name__}: {e} (at {frame.filename}:{frame.lineno} in {frame.name})", None
         seconds = time.perf_counter() - t0

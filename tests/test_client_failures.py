@@ -71,6 +71,19 @@ def test_fail_stops_the_run_naming_the_client(tmp_path, cache_dir, mode, backend
     assert StateStore(out).completed_round() == 0
 
 
+def test_fail_on_the_command_line_is_one_message_and_exit_2(tmp_path, cache_dir, capsys):
+    from raysim.run import main
+
+    out = tmp_path / "cli"
+    args = ["method=flaky", f"flaky.client={FAILING}", f"flaky.round={ROUND}", "dataset=digits", "model=raysim-tiny",
+            "pretrained=", "ctx_init=", "num_clients=4", "rounds=3", "shots=8", "batch_size=16", "backend=inline",
+            "progress=false", "tensorboard=false", f"cache_dir={cache_dir}", f"out_dir={out}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"error: client {FAILING} failed in round {ROUND}: RuntimeError: flaky client {FAILING} broke" in err
+    assert "Traceback" not in err
+
+
 def _drop_run(tmp_path, cache_dir, mode, **extra):
     from raysim.engine import run
 
