@@ -70,6 +70,18 @@ class HostPrivacy:
     def load(self, cid: int, saved: Optional[dict[str, Any]]) -> None:
         self.states[cid] = ClientPrivacyState.from_dict(saved)
 
+    def snapshot(self, cid: int) -> Optional[dict[str, Any]]:
+        """A copy of the client's privacy state (calibration, ledger, one-shot releases), to `restore`
+        when its round is abandoned before anything left it (raysim/actors.py, on_client_error=drop)."""
+        st = self.states.get(cid)
+        return None if st is None else st.to_dict()
+
+    def restore(self, cid: int, snap: Optional[dict[str, Any]]) -> None:
+        if snap is None:
+            self.states.pop(cid, None)
+        else:
+            self.states[cid] = ClientPrivacyState.from_dict(snap)
+
     def epsilon(self, cid: int) -> float:
         if not self.dp.enabled:
             return math.inf

@@ -11,9 +11,12 @@ checkpoint; metrics go to the driver, never to the server.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
+import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -21,7 +24,7 @@ import torch
 
 from raysim.config import RunConfig
 from raysim.data.federation import FederationData
-from raysim.errors import UploadViolation
+from raysim.errors import ClientFailure, RaysimError, UploadViolation
 from raysim.methods import ClientData, EnvSpec, Method, TrainConfig, Upload, get_method
 from raysim.methods.base import ServerResult
 from raysim.sampling import generator, schedule
@@ -39,6 +42,8 @@ class ClientReport:
     bytes_up: int
     epsilon: float
     metrics: dict[str, float] = field(default_factory=dict)
+    dropped: bool = False  # its local training failed (raised, non-finite upload, past client_timeout): no upload
+    error: str = ""  # what went wrong, when dropped
 
 
 def make_method(cfg: RunConfig) -> Method:
@@ -141,18 +146,29 @@ class ClientHost:
 
     # -- one round --------------------------------------------------------------------------
     def train(self, round_idx: int, client_ids: list[int], shared: dict[str, torch.Tensor]) -> tuple[list[Upload], list[ClientReport]]:
+        """Train each of `client_ids` (in id order) from `shared`. A client whose local training fails
+        (raises, returns a non-finite upload, or takes longer than cfg.client_timeout) sends nothing and
+        gets a report with `dropped=True` and the error; its private state and privacy ledger stay as
+        before the round (nothing left it, so nothing is charged). The driver applies the policy
+        (`check_round`). Under on_client_error=fail the host stops at its first failed client: the run
+        stops anyway. Privacy errors (UploadViolation, PrivacyBudgetExceeded) and other RaysimErrors
+        always propagate: they are not client faults but the privacy checks doing their job."""
         uploads, reports = [], []
         shared = {k: v.to(self.device) for k, v in shared.items()}
+        drop = self.cfg.on_client_error == "drop"
         for cid in sorted(client_ids):
+            # under drop, what the round may change is kept to be put back if the client fails
+            saved = (copy.deepcopy(self._private(cid)), self.privacy.snapshot(cid)) if drop else None
             privacy = self.privacy.open(cid, round_idx, self.data[cid].num_train, shared)
-            result = self.method.local_train(
-                self.env,
-                shared,
-                self._private(cid),
-                self.data[cid],
-                rng=generator(self.cfg.seed, "train", round_idx, cid),
-                privacy=privacy,
-            )
+            error, result = self._local_train(round_idx, cid, shared, privacy)
+            if error:
+                if saved is not None:
+                    self.private[cid] = saved[0]
+                    self.privacy.restore(cid, saved[1])
+                reports.append(ClientReport(cid, math.nan, 0, self.epsilon(cid), {}, dropped=True, error=error))
+                if not drop:
+                    break
+                continue
             tensors = privacy.close(result.upload)  # checked against the declared releases, privatised, accounted
             self.private[cid] = result.private
             self.dirty.add(cid)
@@ -162,6 +178,35 @@ class ClientHost:
                 ClientReport(cid, float(result.metrics.get("loss", math.nan)), up.nbytes(), self.epsilon(cid), dict(result.metrics))
             )
         return uploads, reports
+
+    def _local_train(self, round_idx: int, cid: int, shared: dict[str, torch.Tensor], privacy: Any) -> tuple[str, Any]:
+        """The method's local_train for one client: ("", result), or (what went wrong, None) when it raised,
+        returned a non-finite upload (checked before the host's privacy check records anything), or took
+        longer than cfg.client_timeout wall-clock seconds (measured around the call, so enforced after it
+        returns; its work is discarded)."""
+        t0 = time.perf_counter()
+        try:
+            result = self.method.local_train(
+                self.env,
+                shared,
+                self._private(cid),
+                self.data[cid],
+                rng=generator(self.cfg.seed, "train", round_idx, cid),
+                privacy=privacy,
+            )
+        except RaysimError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any fault of the client's training is the policy's business
+            log.debug("round %d: client %d raised", round_idx, cid, exc_info=True)  # the whole traceback, for debugging
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            return f"{type(e).__name__}: {e} (at {frame.filename}:{frame.lineno} in {frame.name})", None
+        seconds = time.perf_counter() - t0
+        for k, v in result.upload.items():
+            if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) and not bool(torch.isfinite(v).all()):
+                return f"upload {k!r} is not finite ({int((~torch.isfinite(v)).sum())} of {v.numel()} values are nan or inf)", None
+        if self.cfg.client_timeout > 0 and seconds > self.cfg.client_timeout:
+            return f"local training took {seconds:.2f} s, more than client_timeout={self.cfg.client_timeout:g} s", None
+        return "", result
 
     @torch.no_grad()
     def evaluate(self, shared: dict[str, torch.Tensor], client_ids: Optional[list[int]] = None) -> list[dict[str, Any]]:
@@ -182,6 +227,31 @@ class ClientHost:
 
     def device_info(self) -> dict[str, Any]:
         return {"device": str(self.device), "clients": self.clients, "cuda": torch.cuda.is_available()}
+
+
+def check_round(cfg: RunConfig, round_idx: int, reports: list[ClientReport]) -> None:
+    """The driver's side of on_client_error, before the round is aggregated: under `fail` the failed
+    client with the lowest id stops the run; under `drop` the run stops when fewer than cfg.min_clients
+    of the round's participants are left. Raises ClientFailure."""
+    failed = sorted((r for r in reports if r.dropped), key=lambda r: r.client_id)
+    if not failed:
+        return
+    resume = f"continue with resume={cfg.out_dir}" if cfg.out_dir else "continue with resume=OUT_DIR"
+    if cfg.on_client_error != "drop":
+        f = failed[0]
+        raise ClientFailure(
+            f"client {f.client_id} failed in round {round_idx}: {f.error}. on_client_error=fail stops the run; "
+            f"fix the client or set on_client_error=drop to leave failing clients out of their round ({resume})",
+            client_id=f.client_id, round_idx=round_idx, error=f.error,
+        )
+    left = len(reports) - len(failed)
+    if left < cfg.min_clients:
+        which = "; ".join(f"client {r.client_id}: {r.error}" for r in failed)
+        raise ClientFailure(
+            f"round {round_idx}: {len(failed)} of {len(reports)} clients failed and were dropped, leaving {left}, "
+            f"fewer than min_clients={cfg.min_clients} ({which}); {resume} after fixing them, or lower min_clients",
+            client_id=failed[0].client_id, round_idx=round_idx, error=failed[0].error,
+        )
 
 
 def server_classnames(method: Method, classnames: list[str]) -> list[str]:

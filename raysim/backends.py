@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
-from raysim.actors import ClientHost, ClientReport, FederationData, ServerHost
+from raysim.actors import ClientHost, ClientReport, FederationData, ServerHost, check_round
 from raysim.cluster import init_ray, plan_hosts
 from raysim.config import RunConfig
 
@@ -40,6 +40,7 @@ class InlineBackend:
     name = "inline"
 
     def __init__(self, cfg: RunConfig, data: FederationData, out_dir: str, resume_round: int) -> None:
+        self.cfg = cfg
         self.groups = plan_hosts(cfg, cluster_cpus=1, cluster_gpus=0)  # one process: num_actors=0 is one host
         self.server = ServerHost(cfg, data.classnames, out_dir, resume_round)
         self.hosts = [ClientHost(cfg, data, g, out_dir, resume_round) for g in self.groups]
@@ -55,6 +56,7 @@ class InlineBackend:
                 ups, reps = host.train(round_idx, mine, shared)
                 upload_lists.append(ups)
                 reports += reps
+        check_round(self.cfg, round_idx, reports)  # on_client_error: stop, or aggregate without the dropped
         stats = self.server.aggregate(round_idx, *upload_lists)
         return sorted(reports, key=lambda r: r.client_id), stats
 
@@ -167,6 +169,7 @@ class RayBackend:
             return reps
 
         reports = self._get_each({i: submit(i) for i in mine}, submit, replay=False)
+        check_round(self.cfg, round_idx, [r for i in sorted(reports) for r in reports[i]])
         self._round["uploads"] = [upload_refs[i] for i in sorted(upload_refs)]
         stats = self._server_call(lambda: self.server.aggregate.remote(round_idx, *self._round["uploads"]), aggregated=False)
         flat = [r for i in sorted(reports) for r in reports[i]]

@@ -23,6 +23,7 @@ from raysim.methods.base import TrainConfig
 
 _TRAIN = TrainConfig()  # the one source of the training defaults (methods receive a TrainConfig)
 PLACEMENTS = ("pooled", "actor_per_client")
+ON_CLIENT_ERROR = ("fail", "drop")
 
 
 @dataclass
@@ -98,6 +99,12 @@ class RunConfig:
     device: str = "auto"  # auto | cpu | cuda
     address: str = ""  # join an existing Ray cluster ("auto" on a `ray up` head node); "" = start one here
     max_actor_restarts: int = 3  # actors (client or server) replaced after a crash, per run (Ray backend)
+    # client failures: a client whose local training raises, uploads a non-finite tensor or takes longer
+    # than client_timeout seconds (0 = no limit) stops the run (fail) or is left out of its round (drop);
+    # under drop the run stops when fewer than min_clients of a round's participants remain
+    on_client_error: str = "fail"  # fail | drop
+    client_timeout: float = 0.0
+    min_clients: int = 1
     # output
     out_dir: str = ""  # "" = runs/<method>-<dataset>-<timestamp>
     resume: str = ""  # a run folder to continue from its last completed round
@@ -306,6 +313,7 @@ def _check(cond: bool, msg: str) -> None:
 def validate(cfg: RunConfig) -> None:
     from raysim.data import dataset_names
     from raysim.methods import get_method
+    from raysim.sampling import participants
 
     get_method(cfg.method)  # raises with the valid choices
     cfg.method = cfg.method.lower()
@@ -339,6 +347,14 @@ def validate(cfg: RunConfig) -> None:
     _check(cfg.server_gpus >= 0, f"server_gpus must be >= 0, got {cfg.server_gpus}")
     _check(cfg.num_threads >= 1, f"num_threads must be >= 1, got {cfg.num_threads}")
     _check(cfg.max_actor_restarts >= 0, f"max_actor_restarts must be >= 0, got {cfg.max_actor_restarts}")
+    _check(cfg.on_client_error in ON_CLIENT_ERROR,
+           f"on_client_error must be one of {', '.join(ON_CLIENT_ERROR)}, got {cfg.on_client_error!r}")
+    _check(cfg.client_timeout >= 0 and not math.isnan(cfg.client_timeout),
+           f"client_timeout is in seconds and must be >= 0 (0 = no limit), got {cfg.client_timeout}")
+    per_round = len(participants(cfg.seed, 0, cfg.num_clients, cfg.participation))
+    _check(1 <= cfg.min_clients <= per_round,
+           f"min_clients must be between 1 and the {per_round} clients sampled per round "
+           f"(num_clients={cfg.num_clients} x participation={cfg.participation}), got {cfg.min_clients}")
     _check(cfg.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {cfg.device!r}")
     _check(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
     dp = cfg.dp

@@ -25,11 +25,16 @@ from raysim.store import LOCK_NAME, RunLock, StateStore
 
 log = logging.getLogger(__name__)
 
-# keys that may differ between a run and its resume (they do not change results)
+# keys that may differ between a run and its resume (they do not change results). The client-failure
+# policy (on_client_error, client_timeout, min_clients) is among them: it never changes the numbers of a
+# round that completes, only whether a round with failed clients stops the run or completes without them,
+# and a resume keeps every completed round as written. Its main use: a run stopped by a failing client
+# under on_client_error=fail (so every completed round had no failure) continues with on_client_error=drop
+# exactly as a fresh drop run would.
 EXECUTION_KEYS = {
     "backend", "placement", "num_actors", "client_cpus", "client_gpus", "server_cpus", "server_gpus",
     "address", "max_actor_restarts", "progress", "tensorboard", "resume", "out_dir", "cache_dir", "data_root", "device",
-    "record_uploads",
+    "record_uploads", "on_client_error", "client_timeout", "min_clients",
 }
 
 
@@ -240,7 +245,10 @@ def _run(cfg: RunConfig, out_dir: Path, done: int, on_round: Optional[Callable[[
         for r in range(done + 1, cfg.rounds):
             t0 = time.perf_counter()
             part = participants(cfg.seed, r, cfg.num_clients, cfg.participation)
-            reports, stats = backend.train_round(r, part)
+            reports, stats = backend.train_round(r, part)  # raises ClientFailure per on_client_error / min_clients
+            dropped = [x for x in reports if x.dropped]
+            for x in dropped:
+                log.warning("round %d: client %d dropped (on_client_error=drop): %s", r, x.client_id, x.error)
             client_rows: list[dict[str, Any]] = []
             acc_in = acc_cross = hm = math.nan
             if r in evals:
@@ -261,9 +269,12 @@ def _run(cfg: RunConfig, out_dir: Path, done: int, on_round: Optional[Callable[[
                 "bytes_down": int(stats["bytes_down"]),
                 "epsilon_max": float(max(eps)) if eps and all(math.isfinite(e) for e in eps) else math.nan,
                 "participants": len(part),
+                "dropped": len(dropped),
                 "seconds": time.perf_counter() - t0,
                 **round_metrics(reports, stats.get("server_metrics", {}), extra),
             }
+            if logger.tb is not None:
+                logger.tb.add_scalar("clients/dropped", len(dropped), r)  # flushed by log_round
             logger.log_round(row, client_rows)
             store.mark_complete(r)
             rows.append(row)

@@ -27,3 +27,12 @@ class CheckpointError(DataError):
 
 class RunFolderLocked(ConfigError):
     """Another live process is writing the run folder (out_dir)."""
+class ClientFailure(RaysimError):
+    """A client's local training failed (it raised, uploaded a non-finite tensor, or ran past
+    client_timeout) and the run's on_client_error / min_clients policy stops the run."""
+
+    def __init__(self, message: str, *, client_id: int | None = None, round_idx: int | None = None, error: str = "") -> None:
+        super().__init__(message)
+        self.client_id = client_id
+        self.round_idx = round_idx
+        self.error = error

@@ -21,6 +21,7 @@ ROUND_COLUMNS = [
     "bytes_down",
     "epsilon_max",
     "participants",
+    "dropped",
     "seconds",
 ]
 CLIENT_COLUMNS = ["round", "client", "in_client", "cross_client", "in_top5", "cross_top5", "n_in", "n_cross", "epsilon"]

@@ -39,7 +39,17 @@ def ray_session():
 
     from raysim.cluster import init_ray
 
-    init_ray(num_cpus=2, log_to_driver=False)  # as the runs start it (quiet), on 2 CPUs
+    # Ray workers inherit this environment: tests/ on their path lets actors import test-only modules
+    # (tests/flaky_method.py) the way this process does; restored for the rest of the session
+    here, before = os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, before) if p)
+    try:
+        init_ray(num_cpus=2, log_to_driver=False)  # as the runs start it (quiet), on 2 CPUs
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = before
     yield ray
     ray.shutdown()
 
