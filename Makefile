@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run test clean
+.PHONY: setup run lint test clean
 
 $(BIN)/.installed: requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,17 @@ setup: $(BIN)/.installed
 run: setup
 	$(BIN)/python raysim/run.py $(ARGS)
 
-test: setup
+# mypy sees methods/ and privacy/ where they are installed (raysim.methods, raysim.privacy) through a link tree
+TYPECHECK := build/typecheck
+
+lint: setup
+	$(BIN)/ruff check raysim methods privacy attacks benchmarks tests
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/raysim
+	for e in raysim/*; do ln -s "$(CURDIR)/$$e" $(TYPECHECK)/raysim/; done
+	ln -s "$(CURDIR)/methods" $(TYPECHECK)/raysim/methods && ln -s "$(CURDIR)/privacy" $(TYPECHECK)/raysim/privacy
+	cd $(TYPECHECK) && $(CURDIR)/$(BIN)/mypy -p raysim --ignore-missing-imports --follow-imports=silent
+
+test: setup lint
 	$(BIN)/python -m pytest tests
 
 clean:

@@ -1,5 +1,5 @@
 """A test-only method: PromptFL whose local training fails for one chosen client in one chosen round
-(tests/test_client_failures.py). Importing this module registers it as `flaky`.
+(tests/engine/test_client_failures.py). Importing this module registers it as `flaky`.
 
 It is imported lazily by the tests (not at collection time), so the registry-driven conformance tests do
 not pick it up. Ray workers import it when they unpickle the run config (its `flaky` section is an

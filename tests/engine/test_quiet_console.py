@@ -13,7 +13,7 @@ import torch
 
 from raysim.models.quiet import REPORT_LOGGER, expected_report, quiet_load
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOISE = ("LOAD REPORT", "UNEXPECTED", "initialized partially", "Loading weights")
 
 

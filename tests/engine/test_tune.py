@@ -12,7 +12,7 @@ import pytest
 from raysim.errors import ConfigError
 from raysim.tune import load_sweep, trial_bundles, trials_that_fit, validate_sweep
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "sweeps" / "smoke.yaml"
 
 

@@ -13,7 +13,7 @@ import pytest
 from raysim.config import build_config, config_from_cli, parse_overrides
 from raysim.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:

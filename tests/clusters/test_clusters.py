@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_FILES = sorted(glob.glob(str(ROOT / "clusters" / "*.yaml")))
 INSTALL = "python3.11 -m venv .venv) && .venv/bin/pip install -r requirements.txt && .venv/bin/pip install -e . --no-deps"
 

@@ -14,7 +14,7 @@ from raysim.cluster import AUTH_LOGGER, _quiet_auth_notice, init_ray, plan_hosts
 from raysim.config import build_config
 from raysim.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def cfg(**values):

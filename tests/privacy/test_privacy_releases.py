@@ -267,7 +267,7 @@ def test_readme_mechanism_table_is_the_registry():
 
     from raysim.privacy.mechanisms import mechanism_table
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     for r in mechanism_table():
         row = f"| `{r['mechanism']}` | {r['clipped']} | {r['sensitivity']} | {r['relation']} | {r['accountant']} |"
         assert row in readme, f"README's mechanism table is out of date for {r['mechanism']}"

@@ -21,7 +21,7 @@ from raysim.engine import resume_config, run
 from raysim.errors import CheckpointError, RunFolderLocked
 from raysim.store import LOCK_NAME, RunLock, StateStore
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 
 
