@@ -215,66 +215,16 @@ def run(cfg: RunConfig, *, on_round: Optional[Callable[[dict[str, Any]], None]] 
 
 
 def _run(cfg: RunConfig, out_dir: Path, done: int, on_round: Optional[Callable[[dict[str, Any]], None]]) -> RunResult:
-    from raysim.actors import make_method
-    from raysim.backends import BACKENDS
-
-    method = make_method(cfg)
-    if done >= cfg.rounds - 1:
-        log.info("run %s already completed %d rounds", out_dir, done + 1)
-    data = prepare_data(cfg, method.needs(), progress=cfg.progress)
-    # (fails before anything is written)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(cfg.to_yaml())
-    hparams = flat_config(cfg)
-    extra = metric_columns(method)
-    logger = RunLogger(out_dir, tensorboard=cfg.tensorboard, hparams=hparams, extra_columns=extra)
-    logger.resume_at(done)
-    backend = BACKENDS[cfg.backend](cfg, data, str(out_dir), done)
+    method, backend, logger, hparams = _start(cfg, out_dir, done)
     info = {"method": cfg.method, **backend.info}
-    if cfg.client_gpus > 0 and cfg.backend != "ray" and "cuda" not in " ".join(info.get("devices", ["cpu"])):  # ray says it itself
-        log.warning("client_gpus=%s but no GPU is visible: running on CPU", cfg.client_gpus)
     store = StateStore(out_dir)
     evals = eval_rounds(cfg.rounds, cfg.eval_every, cfg.eval_last)
+    extra = metric_columns(method)
     rows: list[dict[str, Any]] = []
-    bar = None
-    if cfg.progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=cfg.rounds, initial=done + 1, desc=f"{cfg.method} rounds", unit="round")
+    bar = _progress_bar(cfg, done)
     try:
         for r in range(done + 1, cfg.rounds):
-            t0 = time.perf_counter()
-            part = participants(cfg.seed, r, cfg.num_clients, cfg.participation)
-            reports, stats = backend.train_round(r, part)  # raises ClientFailure per on_client_error / min_clients
-            dropped = [x for x in reports if x.dropped]
-            for x in dropped:
-                log.warning("round %d: client %d dropped (on_client_error=drop): %s", r, x.client_id, x.error)
-            client_rows: list[dict[str, Any]] = []
-            acc_in = acc_cross = hm = math.nan
-            if r in evals:
-                client_rows = [{"round": r, **row} for row in backend.evaluate()]
-                acc_in = mean_of_defined([c["in_client"] for c in client_rows])
-                acc_cross = mean_of_defined([c["cross_client"] for c in client_rows])  # nan with one client
-                hm = harmonic_mean(acc_in, acc_cross)
-            backend.commit(r)
-            losses = [x.loss for x in reports if math.isfinite(x.loss)]
-            eps = [x.epsilon for x in reports]
-            row = {
-                "round": r,
-                "in_client": acc_in,
-                "cross_client": acc_cross,
-                "hm": hm,
-                "train_loss": float(np.mean(losses)) if losses else math.nan,
-                "bytes_up": int(stats["bytes_up"]),
-                "bytes_down": int(stats["bytes_down"]),
-                "epsilon_max": float(max(eps)) if eps and all(math.isfinite(e) for e in eps) else math.nan,
-                "participants": len(part),
-                "dropped": len(dropped),
-                "seconds": time.perf_counter() - t0,
-                **round_metrics(reports, stats.get("server_metrics", {}), extra),
-            }
-            if logger.tb is not None:
-                logger.tb.add_scalar("clients/dropped", len(dropped), r)  # flushed by log_round
+            row, client_rows = _one_round(cfg, backend, r, evaluate=r in evals, extra=extra)
             logger.log_round(row, client_rows)
             store.mark_complete(r)
             rows.append(row)
@@ -282,17 +232,88 @@ def _run(cfg: RunConfig, out_dir: Path, done: int, on_round: Optional[Callable[[
                 on_round(row)
             if bar is not None:
                 bar.update(1)
-                if math.isfinite(hm):
-                    bar.set_postfix(inn=f"{acc_in:.3f}", cross=f"{acc_cross:.3f}", hm=f"{hm:.3f}")
+                if math.isfinite(row["hm"]):
+                    bar.set_postfix(inn=f"{row['in_client']:.3f}", cross=f"{row['cross_client']:.3f}", hm=f"{row['hm']:.3f}")
     finally:
         if bar is not None:
             bar.close()
         backend.shutdown()
+    return _finish(cfg, out_dir, logger, hparams, rows, info)
+
+
+def _start(cfg: RunConfig, out_dir: Path, done: int) -> tuple[Any, Any, RunLogger, dict[str, Any]]:
+    """The method, the data (which fails before anything is written), config.yaml, the logger and the backend."""
+    from raysim.actors import make_method
+    from raysim.backends import BACKENDS
+
+    method = make_method(cfg)
+    if done >= cfg.rounds - 1:
+        log.info("run %s already completed %d rounds", out_dir, done + 1)
+    data = prepare_data(cfg, method.needs(), progress=cfg.progress)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.yaml").write_text(cfg.to_yaml())
+    hparams = flat_config(cfg)
+    logger = RunLogger(out_dir, tensorboard=cfg.tensorboard, hparams=hparams, extra_columns=metric_columns(method))
+    logger.resume_at(done)
+    backend = BACKENDS[cfg.backend](cfg, data, str(out_dir), done)
+    devices = " ".join(backend.info.get("devices", ["cpu"]))
+    if cfg.client_gpus > 0 and cfg.backend != "ray" and "cuda" not in devices:  # ray says it itself
+        log.warning("client_gpus=%s but no GPU is visible: running on CPU", cfg.client_gpus)
+    return method, backend, logger, hparams
+
+
+def _progress_bar(cfg: RunConfig, done: int) -> Any:
+    if not cfg.progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=cfg.rounds, initial=done + 1, desc=f"{cfg.method} rounds", unit="round")
+
+
+def _one_round(
+    cfg: RunConfig, backend: Any, r: int, *, evaluate: bool, extra: tuple[str, ...]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Train, aggregate, (evaluate,) commit round r; its results.csv row and client_results.csv rows."""
+    t0 = time.perf_counter()
+    part = participants(cfg.seed, r, cfg.num_clients, cfg.participation)
+    reports, stats = backend.train_round(r, part)  # raises ClientFailure per on_client_error / min_clients
+    dropped = [x for x in reports if x.dropped]
+    for x in dropped:
+        log.warning("round %d: client %d dropped (on_client_error=drop): %s", r, x.client_id, x.error)
+    client_rows: list[dict[str, Any]] = []
+    acc_in = acc_cross = hm = math.nan
+    if evaluate:
+        client_rows = [{"round": r, **row} for row in backend.evaluate()]
+        acc_in = mean_of_defined([c["in_client"] for c in client_rows])
+        acc_cross = mean_of_defined([c["cross_client"] for c in client_rows])  # nan with one client
+        hm = harmonic_mean(acc_in, acc_cross)
+    backend.commit(r)
+    losses = [x.loss for x in reports if math.isfinite(x.loss)]
+    eps = [x.epsilon for x in reports]
+    row = {
+        "round": r,
+        "in_client": acc_in,
+        "cross_client": acc_cross,
+        "hm": hm,
+        "train_loss": float(np.mean(losses)) if losses else math.nan,
+        "bytes_up": int(stats["bytes_up"]),
+        "bytes_down": int(stats["bytes_down"]),
+        "epsilon_max": float(max(eps)) if eps and all(math.isfinite(e) for e in eps) else math.nan,
+        "participants": len(part),
+        "dropped": len(dropped),
+        "seconds": time.perf_counter() - t0,
+        **round_metrics(reports, stats.get("server_metrics", {}), extra),
+    }
+    return row, client_rows
+
+
+def _finish(cfg: RunConfig, out_dir: Path, logger: RunLogger, hparams: dict[str, Any], rows: list[dict[str, Any]],
+            info: dict[str, Any]) -> RunResult:
     summary = summarize(out_dir / "results.csv", last=max(1, cfg.eval_last))
     logger.close(final_metrics=summary, hparams=hparams)
-    result = RunResult(out_dir, summary, rows, info)
+    title = f"{cfg.method} on {cfg.dataset} ({cfg.partition}, {cfg.num_clients} clients)"
     (out_dir / "summary.md").write_text(
-        summary_table([(cfg.method, summary)], title=f"{cfg.method} on {cfg.dataset} ({cfg.partition}, {cfg.num_clients} clients)")
+        summary_table([(cfg.method, summary)], title=title)
         + f"\nMean of the last {int(summary.get('rounds_averaged', 0))} evaluated rounds; accuracies in %.\n"
     )
-    return result
+    return RunResult(out_dir, summary, rows, info)

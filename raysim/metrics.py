@@ -103,6 +103,7 @@ class RunLogger:
                 ("bytes_up", "comm/bytes_up"),
                 ("bytes_down", "comm/bytes_down"),
                 ("epsilon_max", "privacy/epsilon_max"),
+                ("dropped", "clients/dropped"),
                 ("seconds", "time/round_seconds"),
                 *((k, k.replace("_", "/", 1)) for k in self.extra_columns),
             ):
