@@ -33,7 +33,7 @@ class FederationData:
 
     def client(self, cid: int) -> ClientData:
         """Client `cid`'s slice as the method sees it (tensors; the arrays themselves are not copied)."""
-        tr, te = torch.as_tensor(self.train_idx[cid]), torch.as_tensor(self.test_idx[cid])
+        tr, te = as_tensor(self.train_idx[cid]), as_tensor(self.test_idx[cid])
         xtr, ytr, xte, yte = (as_tensor(a) for a in (self.x_train, self.y_train, self.x_test, self.y_test))
         ttr, tte = (None if a is None else as_tensor(a) for a in (self.tok_train, self.tok_test))
         return ClientData(
