@@ -296,8 +296,24 @@ def test_fedtsp_end_to_end(tmp_path, plm):
     ("local", {"model_family": "tiny"}),
 ])
 def test_baselines_end_to_end(tmp_path, method, section):
-    res, rows = run_on_digits(tmp_path, method, section, rounds=1, clients=3)
-    assert len(rows) == 3 and res.summary["in_client"] > 0.15
+    """Two rounds on digits (Dirichlet 0.5, 3 clients): the clients' own-split accuracy beats what
+    predicting each client's majority class would score (measured 0.50 against 0.31; the margin of 0.1
+    leaves room for kernels that round differently)."""
+    import numpy as np
+
+    from raysim.actors import make_method
+    from raysim.config import build_config
+    from raysim.engine import prepare_data
+
+    res, rows = run_on_digits(tmp_path, method, section, rounds=2, clients=3)
+    assert len(rows) == 2 * 3
+    cfg = build_config({"method": method, "dataset": "digits", "partition": "dirichlet", "beta": 0.5, "shots": 0,
+                        "num_clients": 3, method: section, "model": "raysim-tiny", "pretrained": "",
+                        "cache_dir": str(tmp_path / "c")})
+    data = prepare_data(cfg, make_method(cfg).needs(), progress=False)
+    majority = np.mean([np.bincount(data.y_test[te]).max() / len(te) for te in data.test_idx])
+    in_client = np.mean([float(r["in_client"]) for r in rows if r["round"] == "1"])
+    assert in_client > majority + 0.1, (in_client, majority)
 
 
 # ------------------------------------------------------------------------------- semantic structure
