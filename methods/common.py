@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import torch
 from torch import Tensor
 
 from raysim.methods.base import EnvSpec, Method, Upload
+
+ParamOrGroup = TypeVar("ParamOrGroup", Tensor, dict[str, Any])  # what torch.optim takes: tensors, or param groups
 
 
 def weighted_mean(uploads: Sequence[Upload], key: str) -> Tensor:
@@ -20,7 +22,7 @@ def weighted_mean(uploads: Sequence[Upload], key: str) -> Tensor:
     return out
 
 
-def sgd(params: Iterable[Tensor], train, **overrides) -> torch.optim.Optimizer:
+def sgd(params: Iterable[ParamOrGroup], train, **overrides) -> torch.optim.Optimizer:
     """The prompt-tuning optimiser of SPEC 1.7: SGD with momentum and weight decay, fresh per round."""
     kw = dict(lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
     kw.update(overrides)

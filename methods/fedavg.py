@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from raysim.errors import ConfigError
-from raysim.methods.base import ClientData, LocalResult, Upload, register_method
+from raysim.methods.base import ClientData, LocalResult, TrainConfig, Upload, register_method
 from raysim.methods.common import weighted_mean
 from raysim.methods.hetero import HeteroMethod, HtEnv
 from raysim.models.zoo import FAMILIES, HtModel, make_client_model
@@ -45,7 +45,10 @@ def flatten_state(state: dict[str, Tensor]) -> Tensor:
     return torch.cat([v.detach().reshape(-1).float().cpu() for v in state.values()])
 
 
-def load_flat(model: nn.Module, flat: Tensor) -> nn.Module:
+M = TypeVar("M", bound=nn.Module)
+
+
+def load_flat(model: M, flat: Tensor) -> M:
     """Copy a vector made by `flatten_state` of a model of the same architecture into `model`; integer
     buffers (BatchNorm's num_batches_tracked, averaged as floats) are rounded back."""
     state = model.state_dict()
@@ -77,6 +80,13 @@ class Homogeneous:
     """All clients train one global model of architecture `opts.model` (the options need `model`,
     `client_lr`, `shuffle`, `finetune_epochs`, `finetune_lr`). Put it before the HeteroMethod subclass in
     the bases: it replaces the per-client model of the zoo by the broadcast one."""
+
+    # supplied by the HeteroMethod the mixin is combined with (annotations only: nothing here shadows them)
+    name: ClassVar[str]
+    opts: Any
+    train: TrainConfig
+    image_size: int
+    client_lr: float  # HeteroMethod's property: the method's client_lr, or the run's lr when it is 0
 
     def model(self, env: HtEnv, private: dict[str, Any]) -> HtModel:
         """HeteroMethod's "the client's model", for code written for the zoo (FedTSP's client half): here

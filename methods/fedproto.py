@@ -12,6 +12,7 @@ Uploads  the class means are a prototype release (the host noises them under loc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +66,7 @@ def proto_mse(feats: Tensor, y: Tensor, protos: Tensor, has: Tensor) -> Tensor:
 @register_method
 class FedProto(HeteroMethod):
     name = "fedproto"
-    Options = Options
+    Options: ClassVar[type[ZooOptions]] = Options  # subclasses (FedTGP) bring their own ZooOptions
     releases = {"protos": prototype(), "counts": public(COUNTS_NOTE)}
 
     def init_shared(self, env, rng):

@@ -181,7 +181,10 @@ class FedSEPT(ClipPromptMethod):
         groups = [{"params": params}] + ([{"params": router_params, "weight_decay": 0.0}] if router_params else [])
         opt = sgd(groups, self.train)
         x, y = data.x_train.to(env.device), data.y_train.to(env.device)
-        tok = data.tokens_train.to(env.device) if self.patch_router else None
+        tok: torch.Tensor | None = None
+        if self.patch_router:
+            assert data.tokens_train is not None  # needs() asks for the image tokens with the patch router
+            tok = data.tokens_train.to(env.device)
         terms: dict[str, list[float]] = {"loss": [], "ce": [], "div": [], "gate": []}
         with seeded(rng):  # router dropout draws from a stream of this (round, client)
             for _ in range(self.train.local_epochs):

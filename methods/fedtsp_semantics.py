@@ -140,7 +140,7 @@ def _cifar100_paths() -> dict[str, tuple[str, ...]]:
 def _synthetic_paths() -> dict[str, tuple[str, ...]]:
     from raysim.data.synthetic import DIGITS, LETTERS, SHAPES
 
-    out = {s: ("shape", s) for s in SHAPES}
+    out: dict[str, tuple[str, ...]] = {s: ("shape", s) for s in SHAPES}
     out.update({d: ("digit", d) for d in DIGITS})
     out.update({_norm(letter): ("letter", _norm(letter)) for letter in LETTERS})
     return out

@@ -49,7 +49,7 @@ def per_sample_grads(per_sample_loss: Tensor, params: Sequence[Tensor], *, micro
     batched_ok = True
     for start in range(0, b, microbatch):
         stop = min(b, start + microbatch)
-        gs = None
+        gs: Sequence[Tensor] | None = None
         if batched_ok:
             try:
                 gs = torch.autograd.grad(
@@ -126,6 +126,7 @@ class _Standalone:
     def release(self, name: str, value=None, *, features: Tensor | None = None, labels: Tensor | None = None,
                 num_classes: int = 0, clip: float = 0.0) -> Tensor:
         if features is not None:
+            assert labels is not None, "a prototype release needs the labels of its features"
             features, labels = features.detach().float().cpu(), labels.detach().long().cpu()
             sums = torch.zeros(num_classes, features.shape[1]).index_add_(0, labels, features)
             return sums / torch.bincount(labels, minlength=num_classes).float().clamp_min(1)[:, None]

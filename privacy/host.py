@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union, cast
 
 import torch
 from torch import Tensor
@@ -28,7 +28,7 @@ from raysim.errors import UploadViolation
 from .accountant import calibrate_multiplier
 from .dpsgd import DPSGD, NoDP
 from .ledger import PrivacyLedger, Release
-from .mechanisms import ClientUpdate, DPSGDMechanism, Mechanism, Public, resolve_all
+from .mechanisms import ClientUpdate, DPSGDMechanism, EmbeddingRelease, Mechanism, PrototypeRelease, Public, resolve_all
 
 
 @dataclass
@@ -109,6 +109,7 @@ class HostPrivacy:
         specs = self.method.releases
         for name in self._private_names(cid):
             mech = self.mechanisms[name]
+            assert mech is not None  # _private_names holds only uploads that resolved to a mechanism
             if mech.name in ("dpsgd", "client_update") and mech.name in seen:
                 continue  # one DP-SGD step / one update release covers every tensor it privatises
             seen.add(mech.name)
@@ -155,6 +156,7 @@ class RoundPrivacy:
         if self.dpsgd:
             z = host.multiplier(cid, num_train)
             mech = host.mechanisms[self.dpsgd[0]]
+            assert isinstance(mech, DPSGDMechanism)  # self.dpsgd holds only DP-SGD releases
             q = mech.sample_rate(num_train, host.batch_size)
             steps = host.method.dp_steps_per_round(num_train)
             self._dpsgd_release = Release("dpsgd", z, q, steps, round_idx, sampling=dp.sampling)
@@ -191,9 +193,12 @@ class RoundPrivacy:
         if spec.once and name in st.once:
             out = st.once[name]  # already released: sending it again is post-processing
         elif spec.kind == "prototype":
+            assert features is not None and labels is not None, f"the prototype release {name!r} needs features and labels"
             out = self._prototypes(name, features, labels, num_classes)
         else:
-            out = self._embedding(name, value() if callable(value) else value, clip)
+            tensor = value() if callable(value) else value
+            assert tensor is not None, f"the embedding release {name!r} needs a value"
+            out = self._embedding(name, tensor, clip)
         if spec.once:
             st.once[name] = out
         self.released[name] = out
@@ -215,7 +220,8 @@ class RoundPrivacy:
         z = self.host.multiplier(self.cid, self.num_train)
         rounds = self.host.plan(self.cid, self.num_train)[2]
         gen = _stream(self.host.seed, "dp-release", name, self.round, self.cid)
-        out, extra = mech.apply(features, labels, num_classes, multiplier=z, generator=gen, rounds=rounds)
+        # a prototype upload resolves to the mechanism dp.prototypes names (a registered release mechanism)
+        out, extra = cast(PrototypeRelease, mech).apply(features, labels, num_classes, multiplier=z, generator=gen, rounds=rounds)
         if extra.get("pure_epsilon"):
             self._record(Release(f"{mech.name}_topk", 0.0, 1.0, 1, self.round, epsilon=extra["pure_epsilon"]))
         self._record(Release(mech.name, z, 1.0, 1, self.round))
@@ -225,6 +231,7 @@ class RoundPrivacy:
         mech = self._mechanism(name)
         if mech is None:
             return NoDP().release(name, value)
+        assert isinstance(mech, EmbeddingRelease)  # what `resolve` gives an embedding release
         z = self.host.multiplier(self.cid, self.num_train)
         gen = _stream(self.host.seed, "dp-release", name, self.round, self.cid)
         self._record(Release(mech.name, z, 1.0, 1, self.round))
@@ -252,9 +259,10 @@ class RoundPrivacy:
         if self.dpsgd:
             done = Release(**{**self._dpsgd_release.__dict__, "steps": self._sgd.steps})
             self.pending.insert(0, done)
-        ledger = self.host.ledger(self.cid) if self.pending else None
-        for r in self.pending:
-            ledger.record(r)
+        if self.pending:
+            ledger = self.host.ledger(self.cid)
+            for r in self.pending:
+                ledger.record(r)
         return clean
 
     def _verify(self, clean: dict[str, Tensor], declared: dict[str, Any]) -> None:
@@ -291,6 +299,7 @@ class RoundPrivacy:
             if k not in self.shared or self.shared[k].shape != clean[k].shape:
                 raise UploadViolation(f"client {self.cid}: {k!r} is released as an update but is not an update of a broadcast tensor")
         mech = self.host.mechanisms[names[0]]
+        assert isinstance(mech, ClientUpdate)  # names holds only update releases
         z = self.host.multiplier(self.cid, self.num_train)
         self._record(Release(mech.name, z, 1.0, 1, self.round))
         base = {k: self.shared[k].detach().cpu() for k in names}

@@ -20,7 +20,7 @@ ledger entry composes through the same accountant (one epsilon conversion everyw
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -92,6 +92,17 @@ class Mechanism:
 
     def planned(self, *, num_train: int, steps_per_round: int, batch_size: int) -> Planned:
         return Planned()
+
+
+class PrototypeRelease(Protocol):
+    """What the host needs of the mechanism `dp.prototypes` names (IGPP, VPP, or one registered with
+    applied = "release"): the noised (num_classes, d) class means, and extra ledger facts ("pure_epsilon")."""
+
+    @property
+    def name(self) -> str: ...
+
+    def apply(self, features: Tensor, labels: Tensor, num_classes: int, *, multiplier: float,
+              generator: torch.Generator, rounds: int) -> tuple[Tensor, dict[str, float]]: ...
 
 
 MECHANISMS: Registry[type[Mechanism]] = Registry("privacy mechanism")

@@ -303,7 +303,8 @@ class ServerHost:
         if uploads:
             new = self.method.aggregate(self.env, self.state, uploads, generator(self.cfg.seed, "server", round_idx))
             if isinstance(new, ServerResult):
-                new, metrics = new.state, dict(new.metrics)
+                metrics = dict(new.metrics)
+                new = new.state
             self.state = {k: v.detach().cpu() for k, v in new.items()}
         return {"bytes_up": sum(u.nbytes() for u in uploads), "bytes_down": down, "server_metrics": metrics}
 

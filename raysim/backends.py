@@ -23,6 +23,9 @@ class Backend(Protocol):
     name: str
     info: dict[str, Any]  # what the run reports about where it ran: backend, hosts, ...
 
+    def __init__(self, cfg: RunConfig, data: FederationData, out_dir: str, resume_round: int) -> None:
+        """Build the server host and the client hosts, resuming from `resume_round` (-1: a new run)."""
+
     def train_round(self, round_idx: int, participants: list[int]) -> tuple[list[ClientReport], dict[str, Any]]:
         """Train the round's participants and aggregate their uploads: (reports in client order, server stats)."""
 

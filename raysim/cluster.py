@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Iterator
+from typing import Any, Iterator
 
 from raysim.config import RunConfig
 from raysim.errors import ConfigError
@@ -81,7 +81,7 @@ def init_ray(address: str = "", *, num_cpus: int | None = None, log_to_driver: b
 
     if ray.is_initialized():
         return False
-    kwargs = dict(include_dashboard=False, configure_logging=False, log_to_driver=log_to_driver)
+    kwargs: dict[str, Any] = dict(include_dashboard=False, configure_logging=False, log_to_driver=log_to_driver)
     with _quiet_auth_notice():
         if not address:
             ray.init(num_cpus=num_cpus or os.cpu_count(), **kwargs)

@@ -134,7 +134,7 @@ class RunConfig:
         d.pop("methods")
         d["dp"] = dataclasses.asdict(self.dp)
         for name, section in sorted(self.methods.items()):
-            d[name] = dataclasses.asdict(section) if dataclasses.is_dataclass(section) else dict(section)
+            d[name] = dataclasses.asdict(section) if dataclasses.is_dataclass(section) and not isinstance(section, type) else dict(section)
         return d
 
     def to_yaml(self) -> str:
@@ -247,7 +247,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+def deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in extra.items():
         if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):

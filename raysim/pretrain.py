@@ -262,14 +262,14 @@ def frozen_text_features(model, tokenizer, texts: Sequence[str], cache_dir: Opti
         path = Path(os.path.expanduser(cache_dir)) / "features" / f"minilm-pooled-{key}.pt"
         if path.exists():
             return torch.load(path, weights_only=True)
-    pooled = []
+    parts: list[torch.Tensor] = []
     for i in tqdm(range(0, len(texts), batch_size), desc="MiniLM caption features", disable=not progress,
                   file=sys.stderr):
         tk = tokenizer(list(texts[i: i + batch_size]))
         mask = (tk != enc.config.pad_token_id).long()
         L = int(mask.sum(1).max())
-        pooled.append(enc.pooler(enc.transformer(input_ids=tk[:, :L], attention_mask=mask[:, :L]), mask[:, :L]))
-    pooled = torch.cat(pooled)
+        parts.append(enc.pooler(enc.transformer(input_ids=tk[:, :L], attention_mask=mask[:, :L]), mask[:, :L]))
+    pooled = torch.cat(parts)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")

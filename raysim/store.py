@@ -36,10 +36,11 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
+from numpy._core import multiarray as np_multiarray  # numpy's stubs do not list np._core
 
 from raysim.errors import CheckpointError, RunFolderLocked
 
@@ -49,11 +50,11 @@ DIGEST_SUFFIX = ".sha256"
 LOCK_NAME = "run.lock"
 
 # numpy arrays and scalars are plain data too (generated-data caches hold them); nothing else is let through
-SAFE_NUMPY = [
+SAFE_NUMPY: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [  # what torch.serialization.safe_globals takes
     np.ndarray,
     np.dtype,
-    np._core.multiarray._reconstruct,
-    np._core.multiarray.scalar,
+    np_multiarray._reconstruct,
+    np_multiarray.scalar,
     *{type(np.dtype(t)) for t in ("b", "u1", "i1", "i2", "i4", "i8", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16", "?", "U", "S", "O")},
 ]
 

@@ -67,7 +67,7 @@ def cached_image_features(
     feats = _load(path, bundle)
     toks = _load(tok_path, bundle) if tokens else None
     if feats is not None and (not tokens or toks is not None):
-        return (feats["train"], feats["test"]) + ((toks["train"], toks["test"]) if tokens else ())
+        return (feats["train"], feats["test"]) + ((toks["train"], toks["test"]) if toks is not None else ())
     model = load_clip(model_spec, device=device)
     blob, tok_blob = {}, {}
     for split, images in (("train", bundle.train.images), ("test", bundle.test.images)):

@@ -116,10 +116,10 @@ class SyntheticSplit:
 # drawing
 
 
-_FONT_CACHE: dict[int, ImageFont.FreeTypeFont] = {}
+_FONT_CACHE: dict[int, ImageFont.FreeTypeFont | ImageFont.ImageFont] = {}
 
 
-def _font(px: int) -> ImageFont.ImageFont:
+def _font(px: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
     if px not in _FONT_CACHE:
         try:
             from matplotlib import font_manager
@@ -197,12 +197,13 @@ def _draw_mask(name: str, S: int, cx: float, cy: float, extent: float, angle: fl
             d.polygon(pts, fill=255)
         return mask
     if abs(angle) > 1e-3:  # glyphs and round shapes: rotate the mask about the object centre
-        mask = mask.rotate(-math.degrees(angle), resample=Image.BILINEAR, center=(cx, cy))
+        mask = mask.rotate(-math.degrees(angle), resample=Image.Resampling.BILINEAR, center=(cx, cy))
     return mask
 
 
 def _jitter(rgb: Sequence[int], rng: np.random.Generator, amount: int) -> tuple[int, int, int]:
-    return tuple(int(v) for v in np.clip(np.asarray(rgb) + rng.integers(-amount, amount + 1, 3), 0, 255))
+    r, g, b = (int(v) for v in np.clip(np.asarray(rgb) + rng.integers(-amount, amount + 1, 3), 0, 255))
+    return r, g, b
 
 
 def _pattern_mask(kind: str, S: int, rng: np.random.Generator, scale: float) -> Optional[np.ndarray]:
@@ -227,6 +228,7 @@ def _pattern_mask(kind: str, S: int, rng: np.random.Generator, scale: float) -> 
 
 def _contrasting_background(obj: tuple[int, int, int], rng: np.random.Generator, light: bool) -> np.ndarray:
     for _ in range(20):
+        bg: np.ndarray
         if light:
             bg = rng.integers(170, 256, 3)
         else:
@@ -363,7 +365,7 @@ def _cell(params: SyntheticParams, split: int, c: int, d: int, n: int):
     for i in range(n):
         attrs = sample_attributes(rng)
         big = render(classname, domain, attrs, S, rng)
-        imgs[i] = np.asarray(Image.fromarray(big).resize((params.resolution,) * 2, Image.BOX))
+        imgs[i] = np.asarray(Image.fromarray(big).resize((params.resolution,) * 2, Image.Resampling.BOX))
         caps.append(caption(classname, domain, attrs, rng))
         attrs_list.append(dict(attrs, domain=domain))
     return imgs, caps, attrs_list

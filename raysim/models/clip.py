@@ -8,7 +8,7 @@ import io
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Iterator, Sequence, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,10 @@ BUNDLED_TAG = "bundled"  # pretrained=bundled: the project's own weights for ray
 BUNDLED_ASSET = Path(__file__).resolve().parents[1] / "assets" / BUNDLED_MODEL
 _registered = False
 log = logging.getLogger(__name__)
+
+# open_clip ships no type information: its models and towers (CLIP, CustomTextCLIP, VisionTransformer,
+# ModifiedResNet, TimmModel, ...) are read here by attribute name, so they are dynamically typed.
+OpenClipModule: TypeAlias = Any
 
 
 def register_builtin_configs() -> None:
@@ -62,7 +66,7 @@ class ModelSpec:
         return f"{self.model}|{p or f'random{self.init_seed}'}"
 
 
-def load_clip(spec: ModelSpec, device: str | torch.device = "cpu") -> nn.Module:
+def load_clip(spec: ModelSpec, device: str | torch.device = "cpu") -> OpenClipModule:
     """Build an open_clip model in fp32, frozen and in eval mode."""
     import open_clip
 
@@ -137,13 +141,13 @@ def pretrain_folder_checkpoint(folder: Path, model: str) -> Path:
     return folder / bundled.CHECKPOINT
 
 
-def image_size_of(model: nn.Module) -> int:
+def image_size_of(model: OpenClipModule) -> int:
     size = getattr(model.visual, "image_size", 224)
     return int(size[0] if isinstance(size, (tuple, list)) else size)
 
 
 @torch.no_grad()
-def encode_images(model: nn.Module, dataset: torch.utils.data.Dataset, *, batch_size: int = 256, device: str = "cpu",
+def encode_images(model: OpenClipModule, dataset: torch.utils.data.Dataset, *, batch_size: int = 256, device: str = "cpu",
                   progress: bool = False, desc: str = "image features", tokens: bool = False):
     """L2-normalised image features of every item of `dataset` (frozen tower, eval mode).
 
@@ -162,6 +166,7 @@ def encode_images(model: nn.Module, dataset: torch.utils.data.Dataset, *, batch_
                 x = x[0]
             out.append(F.normalize(model.encode_image(x.to(device)).float(), dim=-1).cpu())
             if tokens:
+                assert seen is not None  # image_tokens' list whenever tokens=True
                 toks.append(seen.pop().to(torch.float16).cpu())
     feats = torch.cat(out) if out else torch.zeros(0, 0)
     if not tokens:
@@ -169,7 +174,7 @@ def encode_images(model: nn.Module, dataset: torch.utils.data.Dataset, *, batch_
     return feats, (torch.cat(toks) if toks else torch.zeros(0, 0, 0, dtype=torch.float16))
 
 
-def token_site(visual: nn.Module) -> tuple[nn.Module, str, int]:
+def token_site(visual: OpenClipModule) -> tuple[nn.Module, str, int]:
     """Where an image tower's token sequence can be read, as (module, "output" | "input", width).
 
     - open_clip ViT: the output of `visual.transformer`, i.e. the CLS and patch tokens before `ln_post`
@@ -191,7 +196,7 @@ def token_site(visual: nn.Module) -> tuple[nn.Module, str, int]:
 
 
 @contextlib.contextmanager
-def image_tokens(visual: nn.Module):
+def image_tokens(visual: OpenClipModule) -> Iterator[list[Tensor]]:
     """While active, every forward of `visual` appends its token sequence (B, K, width) to the yielded list."""
     module, where, _ = token_site(visual)
     seen: list[Tensor] = []
@@ -220,6 +225,19 @@ class TextTower(nn.Module):
     width: int
     embed_dim: int
     logit_scale: float
+    tokenizer: Any  # open_clip's tokenizer (untyped)
+    word_embeddings: nn.Embedding
+
+    # implemented by CausalTextTower and HFTextTower
+    def meta(self, tokens: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def end_token_id(self) -> int:
+        raise NotImplementedError
+
+    def meta_from_embeddings(self, embeds: Tensor) -> Tensor:
+        """What `forward` needs besides a released (noised) embedding tensor, by post-processing only."""
+        raise NotImplementedError
 
     def tokenize(self, texts: Sequence[str]) -> Tensor:
         return self.tokenizer(list(texts))
@@ -243,7 +261,7 @@ class TextTower(nn.Module):
         tokens = self.tokenize(texts)
         return F.normalize(self(self.embed_tokens(tokens), self.meta(tokens)), dim=-1)
 
-    def _finish(self, clip: nn.Module, model_name: str) -> None:
+    def _finish(self, clip: OpenClipModule, model_name: str) -> None:
         import open_clip
 
         self.tokenizer = open_clip.get_tokenizer(model_name)
@@ -258,7 +276,13 @@ class CausalTextTower(TextTower):
     at the end-of-text token depends only on positions up to it, so sequences are cut after the last EOT
     of the batch (same result, far less compute)."""
 
-    def __init__(self, clip: nn.Module, model_name: str) -> None:
+    positional_embedding: nn.Parameter
+    transformer: nn.Module
+    ln_final: nn.Module
+    text_projection: nn.Linear | nn.Parameter
+    attn_mask: Tensor | None  # buffer
+
+    def __init__(self, clip: OpenClipModule, model_name: str) -> None:
         super().__init__()
         self.word_embeddings = clip.token_embedding
         self.positional_embedding = clip.positional_embedding
@@ -299,7 +323,12 @@ class HFTextTower(TextTower):
     The learned context replaces word embeddings; the encoder adds its own position and type embeddings,
     attends bidirectionally under the padding mask, and open_clip's pooler and projection follow."""
 
-    def __init__(self, clip: nn.Module, model_name: str) -> None:
+    encoder: Any  # the transformers encoder inside open_clip's HFTextEncoder
+    pooler: nn.Module
+    proj: nn.Module
+    pad_id: int
+
+    def __init__(self, clip: OpenClipModule, model_name: str) -> None:
         super().__init__()
         enc = clip.text
         self.encoder = enc.transformer
@@ -330,7 +359,7 @@ class HFTextTower(TextTower):
         return self.proj(self.pooler(out, mask))
 
 
-def build_text_tower(clip: nn.Module, model_name: str) -> TextTower:
+def build_text_tower(clip: OpenClipModule, model_name: str) -> TextTower:
     if hasattr(clip, "token_embedding"):
         return CausalTextTower(clip, model_name)
     if hasattr(clip, "text") and hasattr(clip.text, "transformer"):
@@ -342,6 +371,13 @@ class CoOpPrompts(nn.Module):
     """CoOp prompts "X X ... X <classname>." with the L placeholder embeddings replaced by learned
     context vectors (SPEC 1.1: end position, underscores to spaces). Holds the frozen prefix (SOT)
     and suffix (class tokens, ".", EOT, padding) per class."""
+
+    # buffers
+    prefix: Tensor
+    suffix: Tensor
+    meta: Tensor
+    placeholder: Tensor
+    init_ctx: Tensor  # only with ctx_init
 
     def __init__(self, tower: TextTower, classnames: Sequence[str], n_ctx: int, ctx_init: str = "") -> None:
         super().__init__()

@@ -167,7 +167,7 @@ def plm_output_dim(kind: str, *, model: str = "raysim-tiny", path: str = "") -> 
 
 
 def load_plm(kind: str, *, spec=None, path: str = "",
-             double_embedding: bool = False, device: str | torch.device = "cpu") -> nn.Module:
+             double_embedding: bool = False, device: str | torch.device = "cpu") -> ClipPLM | BertPLM:
     """`spec`: the raysim.models.clip.ModelSpec of the CLIP whose text tower is the PLM (kind="clip")."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach for the hub
     if kind == "clip":
@@ -184,7 +184,14 @@ class TextPrototypes(nn.Module):
     `base` may come from the server's own embedding of the descriptions, or from a client's DP release
     (FedTSP section 3.5): this class never sees the text itself."""
 
-    def __init__(self, plm: nn.Module, base: Tensor, aux: Tensor, class_index: Tensor, num_classes: int) -> None:
+    plm: ClipPLM | BertPLM
+    # buffers
+    base: Tensor
+    aux: Tensor
+    class_index: Tensor
+    counts: Tensor
+
+    def __init__(self, plm: ClipPLM | BertPLM, base: Tensor, aux: Tensor, class_index: Tensor, num_classes: int) -> None:
         super().__init__()
         self.plm = plm
         self.register_buffer("base", base.detach().float(), persistent=False)
@@ -197,14 +204,14 @@ class TextPrototypes(nn.Module):
         self.register_buffer("counts", counts.float(), persistent=False)
 
     @classmethod
-    def from_texts(cls, plm: nn.Module, prompts_per_class: Sequence[Sequence[str]]) -> "TextPrototypes":
+    def from_texts(cls, plm: ClipPLM | BertPLM, prompts_per_class: Sequence[Sequence[str]]) -> "TextPrototypes":
         texts = [t for ts in prompts_per_class for t in ts]
         index = torch.tensor([c for c, ts in enumerate(prompts_per_class) for _ in ts])
         base, aux = plm.embed(texts)
         return cls(plm, base, aux, index, len(prompts_per_class))
 
     @classmethod
-    def from_release(cls, plm: nn.Module, released: Tensor, num_classes: int) -> "TextPrototypes":
+    def from_release(cls, plm: ClipPLM | BertPLM, released: Tensor, num_classes: int) -> "TextPrototypes":
         """From a client's DP release (N, T, w) of k = N / C descriptions per class in class order: the
         class of each row and what the PLM needs besides the embeddings are derived, not sent."""
         n = int(released.shape[0])

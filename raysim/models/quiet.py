@@ -43,7 +43,9 @@ def report_rows(message: str) -> Optional[list[tuple[str, str]]]:
 def expected_report(message: str) -> bool:
     """A load report whose only entries are BERT's unused pooler weights."""
     rows = report_rows(message)
-    return bool(rows) and all(status == "UNEXPECTED" and key.startswith(UNUSED_PREFIX) for key, status in rows)
+    if not rows:
+        return False
+    return all(status == "UNEXPECTED" and key.startswith(UNUSED_PREFIX) for key, status in rows)
 
 
 class _DropExpected(logging.Filter):
