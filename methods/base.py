@@ -231,8 +231,4 @@ class Method:
 METHODS: Registry[type[Method]] = Registry("method")
 
 
-def register_method(cls: type[Method]) -> type[Method]:
-    if not cls.name:
-        raise ValueError(f"{cls.__name__} needs a name")
-    METHODS.register(cls.name)(cls)
-    return cls
+register_method = METHODS.add  # class decorator: registers a Method subclass under its `name`

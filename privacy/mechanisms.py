@@ -108,9 +108,7 @@ class PrototypeRelease(Protocol):
 MECHANISMS: Registry[type[Mechanism]] = Registry("privacy mechanism")
 
 
-def register_mechanism(cls: type[Mechanism]) -> type[Mechanism]:
-    MECHANISMS.register(cls.name)(cls)
-    return cls
+register_mechanism = MECHANISMS.add
 
 
 @register_mechanism

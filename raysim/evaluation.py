@@ -33,9 +33,7 @@ class Protocol:
 PROTOCOLS: Registry[type[Protocol]] = Registry("evaluation protocol")
 
 
-def register_protocol(cls: type[Protocol]) -> type[Protocol]:
-    PROTOCOLS.register(cls.name)(cls)
-    return cls
+register_protocol = PROTOCOLS.add
 
 
 @register_protocol

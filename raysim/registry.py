@@ -27,6 +27,14 @@ class Registry(Generic[T]):
 
         return deco
 
+    def add(self, obj: T) -> T:
+        """Register a class under its own `name` attribute (methods, mechanisms, protocols); returns it,
+        so it serves as a class decorator."""
+        name = getattr(obj, "name", "")
+        if not name:
+            raise ValueError(f"{obj!r} needs a name to be registered as a {self.kind}")
+        return self.register(name)(obj)
+
     def get(self, name: str) -> T:
         key = str(name).lower()
         if key not in self._items:
