@@ -312,7 +312,7 @@ def final_model_logits(
             inputs.append(torch.as_tensor(x))
         cdata = data.client(cid)
         saved = store.load_client(cid, last)
-        private = saved["private"] if saved is not None else initial_private(method, env, cdata, cfg.seed)
+        private = saved["private"] if saved is not None else initial_private(method, env, cdata, cfg.train.seed)
         with torch.no_grad():
             out[cid] = method.predictor(env, shared, private, cdata)(*inputs).float().cpu()
     return out
@@ -355,7 +355,7 @@ def audit_run(
     query = np.zeros((len(pairs), len(QUERY_FEATURES)))
     for t, m in mine.items():
         query[m] = query_features(logits[t], torch.as_tensor(labels[m]))
-    hm = summarize(run_dir / "results.csv", last=max(1, cfg.eval_last)).get("hm", math.nan)
+    hm = summarize(run_dir / "results.csv", last=max(1, cfg.eval.last)).get("hm", math.nan)
     results = [update_mia(updates, pairs, seed=seed), update_mia(updates, pairs, query=query, seed=seed)]
     return pd.DataFrame([
         {"attack": r.attack, "mean_auc": r.mean_auc, "final_auc": r.final_auc, "rounds": len(r.round_aucs),

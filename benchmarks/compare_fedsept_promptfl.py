@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. dp.epsilon=1 dataset=digits")
     args = p.parse_args(argv)
 
-    from raysim.config import build_config, deep_merge, parse_overrides
+    from raysim.config import build_config, merge_config, parse_overrides
     from raysim.engine import run
     from raysim.metrics import summary_table
 
@@ -40,9 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     for entry in [m.strip() for m in args.methods.split(",") if m.strip()]:
         name, _, own = entry.partition(":")
         values = {k: v for k, v in extra.items() if not isinstance(v, dict) or k in ("dp", name)}
-        values = deep_merge(values, parse_overrides([f"{name}.{kv}" for kv in own.split(";") if kv]))
+        values = merge_config(values, parse_overrides([f"{name}.{kv}" for kv in own.split(";") if kv]))
         folder = entry.replace(":", "-").replace(";", "-").replace("=", "_")
-        values = deep_merge(values, dict(method=name, rounds=args.rounds, backend=args.backend, out_dir=str(out / folder)))
+        values = merge_config(values, dict(method=name, rounds=args.rounds, backend=args.backend, out_dir=str(out / folder)))
         cfg = build_config(values)
         t0 = time.perf_counter()
         result = run(cfg)
@@ -50,10 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((entry, result.summary))
     assert cfg is not None
     eps = "no DP" if not cfg.dp.enabled else f"epsilon={cfg.dp.epsilon:g}"
-    title = (f"{cfg.dataset}, {cfg.partition}, {cfg.num_clients} clients, {cfg.rounds} rounds, {cfg.model}, "
-             f"seed {cfg.seed}, {eps}")
+    title = (f"{cfg.data.dataset}, {cfg.data.partition}, {cfg.train.num_clients} clients, {cfg.train.rounds} rounds, {cfg.model.name}, "
+             f"seed {cfg.train.seed}, {eps}")
     print(summary_table(rows, title=title))
-    print(f"Mean of the last {max(1, cfg.eval_last)} evaluated rounds; accuracies in %.")
+    print(f"Mean of the last {max(1, cfg.eval.last)} evaluated rounds; accuracies in %.")
     return 0
 
 

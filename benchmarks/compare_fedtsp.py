@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         from raysim.data import DATASETS, LoadSpec
 
         if name == next(iter([m.strip() for m in a.methods.split(",") if m.strip()])):
-            classnames = DATASETS.get(a.dataset)(LoadSpec(data_root=cfg.data_root, image_size=32, cache_dir=cfg.cache_dir)).classnames
+            spec = LoadSpec(data_root=cfg.data.data_root, image_size=32, cache_dir=cfg.output.cache_dir)
+            classnames = DATASETS.get(a.dataset)(spec).classnames
         semantics[name] = semantic_structure(res.out_dir, a.rounds, a.dataset, classnames)
         print(f"{name}: {a.rounds} rounds in {time.perf_counter() - t0:.0f}s -> {res.out_dir}", file=sys.stderr, flush=True)
     title = (f"{a.dataset}, Dirichlet beta={a.beta}, {a.clients} clients, {a.family}, {a.rounds} rounds, "

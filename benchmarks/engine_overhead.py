@@ -30,26 +30,26 @@ def plain_loop(cfg, rounds: int) -> list[float]:
     from raysim.privacy import NoDP
     from raysim.sampling import generator, participants
 
-    torch.set_num_threads(cfg.num_threads)
+    torch.set_num_threads(cfg.execution.num_threads)
     method = make_method(cfg)
     data = prepare_data(cfg, method.needs(), progress=False)
     env = method.build_env(env_spec(cfg, data.classnames), role="client")
     xtr, ytr = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
-    shared = method.init_shared(env, generator(cfg.seed, "server-init"))
+    shared = method.init_shared(env, generator(cfg.train.seed, "server-init"))
     private: dict[int, dict] = {}
     times = []
     for r in range(rounds):
         t0 = time.perf_counter()
         uploads = []
-        for cid in participants(cfg.seed, r, cfg.num_clients, cfg.participation):
+        for cid in participants(cfg.train.seed, r, cfg.train.num_clients, cfg.train.participation):
             idx = torch.as_tensor(data.train_idx[cid])
             cd = ClientData(cid, xtr[idx], ytr[idx], xtr[:0], ytr[:0], len(data.classnames))
             if cid not in private:
-                private[cid] = method.init_private(env, cd, generator(cfg.seed, "init", cid))
-            res = method.local_train(env, shared, private[cid], cd, rng=generator(cfg.seed, "train", r, cid), privacy=NoDP())
+                private[cid] = method.init_private(env, cd, generator(cfg.train.seed, "init", cid))
+            res = method.local_train(env, shared, private[cid], cd, rng=generator(cfg.train.seed, "train", r, cid), privacy=NoDP())
             private[cid] = res.private
             uploads.append(Upload(cid, res.upload, res.num_samples))
-        shared = method.aggregate(env, shared, uploads, generator(cfg.seed, "server", r))
+        shared = method.aggregate(env, shared, uploads, generator(cfg.train.seed, "server", r))
         times.append(time.perf_counter() - t0)
     return times
 

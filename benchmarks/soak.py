@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-    from raysim.config import build_config, deep_merge, parse_overrides
+    from raysim.config import build_config, merge_config, parse_overrides
     from raysim.engine import run
     from raysim.metrics import markdown_table
 
@@ -94,9 +94,10 @@ def main(argv=None) -> int:
         eval_every=a.every, eval_last=1, backend=a.backend, num_actors=a.actors if a.backend == "ray" else 0,
         progress=False, tensorboard=True, cache_dir=a.cache_dir, out_dir=str(out),
     )
-    cfg = build_config(deep_merge(values, parse_overrides(a.overrides)))
-    print(f"soak: {cfg.method} on {cfg.dataset}, {cfg.num_clients} clients x {cfg.rounds} rounds, participation "
-          f"{cfg.participation}, backend={cfg.backend}" + (f" ({cfg.num_actors} actors)" if cfg.backend == "ray" else "")
+    cfg = build_config(merge_config(values, parse_overrides(a.overrides)))
+    print(f"soak: {cfg.method} on {cfg.data.dataset}, {cfg.train.num_clients} clients x {cfg.train.rounds} rounds, participation "
+          f"{cfg.train.participation}, backend={cfg.execution.backend}"
+          + (f" ({cfg.execution.num_actors} actors)" if cfg.execution.backend == "ray" else "")
           + f", tensorboard on; out_dir {out}", flush=True)
     rows = []
     snapshots: dict[int, list[tuple[str, int]]] = {}
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
 
     def on_round(row):
         r = int(row["round"]) + 1
-        if r % a.every and r != cfg.rounds and r != 1:
+        if r % a.every and r != cfg.train.rounds and r != 1:
             return
         procs = processes_rss()
         snapshots[r] = procs
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
          "out_dir (MiB)"], rows))
     # over the second half every client has long been seen (and has its state): growth there is a leak
     last = rows[-1]
-    first = min(rows, key=lambda row: abs(row[0] - cfg.rounds // 2))
+    first = min(rows, key=lambda row: abs(row[0] - cfg.train.rounds // 2))
     print(f"growth from round {first[0]} to {last[0]}: driver {float(last[2]) - float(first[2]):+.1f} MiB, all processes "
           f"{float(last[3]) - float(first[3]):+.1f} MiB, state/ {float(last[5]) - float(first[5]):+.2f} MiB "
           f"({last[6] - first[6]:+d} files); {time.perf_counter() - t0:.0f} s in all; HM {100 * result.summary['hm']:.2f} "

@@ -36,9 +36,8 @@ class NoOptions:
 
 @dataclass
 class TrainConfig:
-    """The run-level knobs every method's local training sees. These defaults are the run's defaults:
-    RunConfig takes its values for these keys from here (one source), and the engine fills a method's
-    TrainConfig from the run's config field by field name."""
+    """The run's `train` section: the federated schedule and local optimisation. Methods receive this
+    section of the run's config itself (`self.train`)."""
 
     local_epochs: int = 1
     batch_size: int = 32
@@ -47,9 +46,10 @@ class TrainConfig:
     weight_decay: float = 5e-4
     n_ctx: int = 4  # learned context tokens of the CoOp prompt (the papers use 16)
     ctx_init: str = "a photo of a"  # PromptFL starts its context from this phrase; "" = random N(0, 0.02^2)
-    rounds: int = 10
+    rounds: int = field(default=10, metadata={"resume": True})  # may grow on resume, to extend a run
     num_clients: int = 10
-    seed: int = 1
+    participation: float = 1.0  # fraction of clients sampled per round, in (0, 1]
+    seed: int = 1  # one seed for the partition, client sampling and every per-(round, client) stream
 
 
 @dataclass

@@ -12,7 +12,6 @@ checkpoint; metrics go to the driver, never to the server.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import math
 import time
@@ -25,7 +24,7 @@ import torch
 from raysim.config import RunConfig
 from raysim.data.federation import FederationData
 from raysim.errors import ClientFailure, RaysimError, UploadViolation
-from raysim.methods import ClientData, EnvSpec, Method, TrainConfig, Upload, get_method
+from raysim.methods import ClientData, EnvSpec, Method, Upload, get_method
 from raysim.methods.base import ServerResult
 from raysim.sampling import generator, schedule
 from raysim.store import StateStore
@@ -48,18 +47,17 @@ class ClientReport:
 
 def make_method(cfg: RunConfig) -> Method:
     cls = get_method(cfg.method)
-    train = TrainConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)})
-    return cls(train, cfg.method_options(), cfg.dp)
+    return cls(cfg.train, cfg.method_options(), cfg.dp)  # the run's train section itself
 
 
 def env_spec(cfg: RunConfig, classnames: list[str]) -> EnvSpec:
     from raysim.models.clip import ModelSpec, resolve_device
 
     return EnvSpec(
-        model=ModelSpec(cfg.model, cfg.pretrained, cache_dir=cfg.cache_dir),
+        model=ModelSpec(cfg.model.name, cfg.model.pretrained, cache_dir=cfg.output.cache_dir),
         classnames=list(classnames),
-        device=str(resolve_device(cfg.device)),
-        dataset=cfg.dataset,
+        device=str(resolve_device(cfg.execution.device)),
+        dataset=cfg.data.dataset,
     )
 
 
@@ -96,7 +94,7 @@ class ClientHost:
     """Hosts a fixed set of clients for the whole run (one Ray actor, or in-process)."""
 
     def __init__(self, cfg: RunConfig, data: FederationData, client_ids: list[int], out_dir: str, resume_round: int = -1) -> None:
-        torch.set_num_threads(cfg.num_threads)
+        torch.set_num_threads(cfg.execution.num_threads)
         self.cfg = cfg
         self.method = make_method(cfg)
         spec = env_spec(cfg, data.classnames)
@@ -107,14 +105,14 @@ class ClientHost:
         self.data: dict[int, ClientData] = {cid: data.client(cid) for cid in self.clients}
         from raysim.evaluation import PROTOCOLS
 
-        self.protocol = PROTOCOLS.get(cfg.evaluation)(data, batch_size=cfg.test_batch_size)
+        self.protocol = PROTOCOLS.get(cfg.eval.protocol)(data, batch_size=cfg.eval.batch_size)
         self.store = StateStore(out_dir)
         self.private: dict[int, dict[str, Any]] = {}
         self.dirty: set[int] = set()
         self.participation = self._participation_counts()
         from raysim.privacy.host import HostPrivacy
 
-        self.privacy = HostPrivacy(dp=cfg.dp, method=self.method, seed=cfg.seed, batch_size=cfg.batch_size,
+        self.privacy = HostPrivacy(dp=cfg.dp, method=self.method, seed=cfg.train.seed, batch_size=cfg.train.batch_size,
                                    releases_per_client=self._rounds_for_calibration)
         for cid in self.clients:
             saved = self.store.load_client(cid, resume_round) if resume_round >= 0 else None
@@ -124,7 +122,7 @@ class ClientHost:
                 self.privacy.load(cid, saved.get("privacy", legacy))
 
     def _participation_counts(self) -> dict[int, int]:
-        sched = schedule(self.cfg.seed, self.cfg.rounds, self.cfg.num_clients, self.cfg.participation)
+        sched = schedule(self.cfg.train.seed, self.cfg.train.rounds, self.cfg.train.num_clients, self.cfg.train.participation)
         counts = {cid: 0 for cid in self.clients}
         for part in sched:
             for cid in part:
@@ -135,11 +133,11 @@ class ClientHost:
     # -- private state ----------------------------------------------------------------------
     def _private(self, cid: int) -> dict[str, Any]:
         if cid not in self.private:
-            self.private[cid] = initial_private(self.method, self.env, self.data[cid], self.cfg.seed)
+            self.private[cid] = initial_private(self.method, self.env, self.data[cid], self.cfg.train.seed)
         return self.private[cid]
 
     def _rounds_for_calibration(self, cid: int) -> int:
-        return self.participation[cid] if self.cfg.dp.calibration == "participated" else self.cfg.rounds
+        return self.participation[cid] if self.cfg.dp.calibration == "participated" else self.cfg.train.rounds
 
     def epsilon(self, cid: int) -> float:
         return self.privacy.epsilon(cid)
@@ -147,7 +145,7 @@ class ClientHost:
     # -- one round --------------------------------------------------------------------------
     def train(self, round_idx: int, client_ids: list[int], shared: dict[str, torch.Tensor]) -> tuple[list[Upload], list[ClientReport]]:
         """Train each of `client_ids` (in id order) from `shared`. A client whose local training fails
-        (raises, returns a non-finite upload, or takes longer than cfg.client_timeout) sends nothing and
+        (raises, returns a non-finite upload, or takes longer than cfg.execution.client_timeout) sends nothing and
         gets a report with `dropped=True` and the error; its private state and privacy ledger stay as
         before the round (nothing left it, so nothing is charged). The driver applies the policy
         (`check_round`). Under on_client_error=fail the host stops at its first failed client: the run
@@ -155,7 +153,7 @@ class ClientHost:
         always propagate: they are not client faults but the privacy checks doing their job."""
         uploads, reports = [], []
         shared = {k: v.to(self.device) for k, v in shared.items()}
-        drop = self.cfg.on_client_error == "drop"
+        drop = self.cfg.execution.on_client_error == "drop"
         for cid in sorted(client_ids):
             # under drop, what the round may change is kept to be put back if the client fails
             saved = (copy.deepcopy(self._private(cid)), self.privacy.snapshot(cid)) if drop else None
@@ -182,7 +180,7 @@ class ClientHost:
     def _local_train(self, round_idx: int, cid: int, shared: dict[str, torch.Tensor], privacy: Any) -> tuple[str, Any]:
         """The method's local_train for one client: ("", result), or (what went wrong, None) when it raised,
         returned a non-finite upload (checked before the host's privacy check records anything), or took
-        longer than cfg.client_timeout wall-clock seconds (measured around the call, so enforced after it
+        longer than cfg.execution.client_timeout wall-clock seconds (measured around the call, so enforced after it
         returns; its work is discarded)."""
         t0 = time.perf_counter()
         try:
@@ -191,7 +189,7 @@ class ClientHost:
                 shared,
                 self._private(cid),
                 self.data[cid],
-                rng=generator(self.cfg.seed, "train", round_idx, cid),
+                rng=generator(self.cfg.train.seed, "train", round_idx, cid),
                 privacy=privacy,
             )
         except RaysimError:
@@ -204,8 +202,8 @@ class ClientHost:
         for k, v in result.upload.items():
             if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) and not bool(torch.isfinite(v).all()):
                 return f"upload {k!r} is not finite ({int((~torch.isfinite(v)).sum())} of {v.numel()} values are nan or inf)", None
-        if self.cfg.client_timeout > 0 and seconds > self.cfg.client_timeout:
-            return f"local training took {seconds:.2f} s, more than client_timeout={self.cfg.client_timeout:g} s", None
+        if self.cfg.execution.client_timeout > 0 and seconds > self.cfg.execution.client_timeout:
+            return f"local training took {seconds:.2f} s, more than client_timeout={self.cfg.execution.client_timeout:g} s", None
         return "", result
 
     @torch.no_grad()
@@ -231,13 +229,13 @@ class ClientHost:
 
 def check_round(cfg: RunConfig, round_idx: int, reports: list[ClientReport]) -> None:
     """The driver's side of on_client_error, before the round is aggregated: under `fail` the failed
-    client with the lowest id stops the run; under `drop` the run stops when fewer than cfg.min_clients
+    client with the lowest id stops the run; under `drop` the run stops when fewer than cfg.execution.min_clients
     of the round's participants are left. Raises ClientFailure."""
     failed = sorted((r for r in reports if r.dropped), key=lambda r: r.client_id)
     if not failed:
         return
-    resume = f"continue with resume={cfg.out_dir}" if cfg.out_dir else "continue with resume=OUT_DIR"
-    if cfg.on_client_error != "drop":
+    resume = f"continue with output.resume={cfg.output.out_dir}" if cfg.output.out_dir else "continue with output.resume=OUT_DIR"
+    if cfg.execution.on_client_error != "drop":
         f = failed[0]
         raise ClientFailure(
             f"client {f.client_id} failed in round {round_idx}: {f.error}. on_client_error=fail stops the run; "
@@ -245,11 +243,11 @@ def check_round(cfg: RunConfig, round_idx: int, reports: list[ClientReport]) -> 
             client_id=f.client_id, round_idx=round_idx, error=f.error,
         )
     left = len(reports) - len(failed)
-    if left < cfg.min_clients:
+    if left < cfg.execution.min_clients:
         which = "; ".join(f"client {r.client_id}: {r.error}" for r in failed)
         raise ClientFailure(
             f"round {round_idx}: {len(failed)} of {len(reports)} clients failed and were dropped, leaving {left}, "
-            f"fewer than min_clients={cfg.min_clients} ({which}); {resume} after fixing them, or lower min_clients",
+            f"fewer than min_clients={cfg.execution.min_clients} ({which}); {resume} after fixing them, or lower min_clients",
             client_id=failed[0].client_id, round_idx=round_idx, error=failed[0].error,
         )
 
@@ -269,7 +267,7 @@ class ServerHost:
     never broadcast, so they do not count as communication."""
 
     def __init__(self, cfg: RunConfig, classnames: list[str], out_dir: str, resume_round: int = -1) -> None:
-        torch.set_num_threads(cfg.num_threads)
+        torch.set_num_threads(cfg.execution.num_threads)
         self.cfg = cfg
         self.method = make_method(cfg)
         spec = env_spec(cfg, server_classnames(self.method, classnames))
@@ -280,7 +278,7 @@ class ServerHost:
             self.state = saved
         else:
             self.state = {
-                k: v.detach().cpu() for k, v in self.method.init_shared(self.env, generator(cfg.seed, "server-init")).items()
+                k: v.detach().cpu() for k, v in self.method.init_shared(self.env, generator(cfg.train.seed, "server-init")).items()
             }
 
     def get_shared(self) -> dict[str, torch.Tensor]:
@@ -293,7 +291,7 @@ class ServerHost:
             check_upload(self.method, u.client_id, u.tensors)
         pre = self.get_shared()
         down = sum(t.numel() * t.element_size() for t in pre.values()) * len(uploads)
-        if self.cfg.record_uploads:  # the attacker's view: only checked, declared tensors
+        if self.cfg.output.record_uploads:  # the attacker's view: only checked, declared tensors
             self.store.save_uploads(round_idx, {
                 "pre": pre,
                 "uploads": {u.client_id: dict(u.tensors) for u in uploads},
@@ -301,7 +299,7 @@ class ServerHost:
             })
         metrics: dict[str, float] = {}
         if uploads:
-            new = self.method.aggregate(self.env, self.state, uploads, generator(self.cfg.seed, "server", round_idx))
+            new = self.method.aggregate(self.env, self.state, uploads, generator(self.cfg.train.seed, "server", round_idx))
             if isinstance(new, ServerResult):
                 metrics = dict(new.metrics)
                 new = new.state

@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 
 class Backend(Protocol):
-    """What the engine's round loop calls; built as BACKENDS[cfg.backend](cfg, data, out_dir, resume_round)."""
+    """What the engine's round loop calls; built as BACKENDS[cfg.execution.backend](cfg, data, out_dir, resume_round)."""
 
     name: str
     info: dict[str, Any]  # what the run reports about where it ran: backend, hosts, ...
@@ -83,10 +83,10 @@ class RayBackend:
         import ray
 
         self.ray = ray
-        self.started_ray = init_ray(cfg.address)
+        self.started_ray = init_ray(cfg.execution.address)
         resources = ray.cluster_resources()
         cpus, gpus = float(resources.get("CPU", 1)), float(resources.get("GPU", 0))
-        client_gpus, server_gpus = cfg.client_gpus, cfg.server_gpus
+        client_gpus, server_gpus = cfg.execution.client_gpus, cfg.execution.server_gpus
         if (client_gpus > 0 or server_gpus > 0) and gpus == 0:
             log.warning("no GPU in the Ray cluster: client_gpus/server_gpus ignored, actors run on CPU")
             client_gpus = server_gpus = 0.0
@@ -94,8 +94,8 @@ class RayBackend:
         self.cfg, self.out_dir = cfg, out_dir
         self.data_ref = ray.put(data)  # every actor reads the same copy from the object store
         self.classnames = list(data.classnames)
-        self.server_opts = dict(num_cpus=cfg.server_cpus, num_gpus=server_gpus)
-        self.client_opts = dict(num_cpus=cfg.client_cpus, num_gpus=client_gpus)
+        self.server_opts = dict(num_cpus=cfg.execution.server_cpus, num_gpus=server_gpus)
+        self.client_opts = dict(num_cpus=cfg.execution.client_cpus, num_gpus=client_gpus)
         self.server = self._new_server(resume_round)
         self.hosts = [self._new_host(g, resume_round) for g in self.groups]
         self.restarts = 0
@@ -121,12 +121,12 @@ class RayBackend:
         )
 
     def _dead(self, what: str, error: Exception) -> None:
-        """Count a lost actor; give up (re-raising) past cfg.max_actor_restarts per run."""
+        """Count a lost actor; give up (re-raising) past cfg.execution.max_actor_restarts per run."""
         self.restarts += 1
-        if self.restarts > self.cfg.max_actor_restarts:
+        if self.restarts > self.cfg.execution.max_actor_restarts:
             raise RuntimeError(
-                f"{what} died ({error.__class__.__name__}) and the run has used its {self.cfg.max_actor_restarts} "
-                f"actor restarts (max_actor_restarts); continue it later with resume={self.out_dir}"
+                f"{what} died ({error.__class__.__name__}) and the run has used its {self.cfg.execution.max_actor_restarts} "
+                f"actor restarts (max_actor_restarts); continue it later with output.resume={self.out_dir}"
             ) from error
         log.warning("%s died (%s); restarting it from the last completed round", what, error.__class__.__name__)
 

@@ -34,18 +34,19 @@ def plan_hosts(cfg: RunConfig, cluster_cpus: float, cluster_gpus: float) -> list
     actors as the cluster has room for next to the server (`client_cpus` each, and `client_gpus` each when
     the cluster has GPUs), and one host for backend=inline, which runs them all in this process. H is at
     least 1 and at most num_clients."""
-    if cfg.placement == "actor_per_client":
-        hosts = cfg.num_clients
-    elif cfg.num_actors > 0:
-        hosts = cfg.num_actors
-    elif cfg.backend == "inline":
+    if cfg.execution.placement == "actor_per_client":
+        hosts = cfg.train.num_clients
+    elif cfg.execution.num_actors > 0:
+        hosts = cfg.execution.num_actors
+    elif cfg.execution.backend == "inline":
         hosts = 1
     else:
-        client_gpus = cfg.client_gpus if cluster_gpus > 0 else 0.0  # no GPU: the actors run on CPU
-        by_cpu = int((cluster_cpus - cfg.server_cpus) // cfg.client_cpus) if cfg.client_cpus > 0 else cfg.num_clients
-        by_gpu = int(cluster_gpus // client_gpus) if client_gpus > 0 else cfg.num_clients
+        client_gpus = cfg.execution.client_gpus if cluster_gpus > 0 else 0.0  # no GPU: the actors run on CPU
+        x = cfg.execution
+        by_cpu = int((cluster_cpus - x.server_cpus) // x.client_cpus) if x.client_cpus > 0 else cfg.train.num_clients
+        by_gpu = int(cluster_gpus // client_gpus) if client_gpus > 0 else cfg.train.num_clients
         hosts = max(1, min(by_cpu, by_gpu))
-    return assign_clients(cfg.num_clients, min(hosts, cfg.num_clients))
+    return assign_clients(cfg.train.num_clients, min(hosts, cfg.train.num_clients))
 
 
 class _DropAuthNotice(logging.Filter):

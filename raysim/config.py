@@ -9,6 +9,7 @@ method's own `Options` dataclass. Every key is checked; unknown keys and out-of-
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import types
 import typing
@@ -21,7 +22,8 @@ import yaml
 from raysim.errors import ConfigError
 from raysim.methods.base import TrainConfig
 
-_TRAIN = TrainConfig()  # the one source of the training defaults (methods receive a TrainConfig)
+log = logging.getLogger(__name__)
+
 PLACEMENTS = ("pooled", "actor_per_client")
 ON_CLIENT_ERROR = ("fail", "drop")
 
@@ -55,64 +57,101 @@ class DPConfig:
         return math.isfinite(self.epsilon)
 
 
-@dataclass
-class RunConfig:
-    """Everything that defines one federated run. Field comments are the config reference."""
+RESUMABLE = {"resume": True}  # field metadata: the key may change when a run is resumed (it does not change results)
 
-    # what to run
-    method: str = "promptfl"
+
+@dataclass
+class DataConfig:
+    """What data, and how it is split over the clients."""
+
     dataset: str = "synthetic"
-    data_root: str = "./data"  # folder holding real datasets in the layouts of README "Datasets"
-    download: bool = False  # let torchvision download datasets that support it (needs internet)
-    partition: str = "pathological"  # pathological | dirichlet | domain | iid
+    data_root: str = field(default="./data", metadata=RESUMABLE)  # folder holding real datasets (README "Datasets")
+    download: bool = field(default=False, metadata=RESUMABLE)  # let torchvision download datasets that support it
+    partition: str = "pathological"  # a registered partitioner: pathological | dirichlet | domain | iid
     beta: float = 0.5  # Dirichlet concentration (dirichlet and domain partitions)
     shots: int = 16  # training images per class per client (0 = all)
     min_samples: int = 10  # dirichlet: redraw until every client has this many train and test samples
-    num_clients: int = _TRAIN.num_clients
-    participation: float = 1.0  # fraction of clients sampled per round, in (0, 1]
-    rounds: int = _TRAIN.rounds
-    local_epochs: int = _TRAIN.local_epochs
-    batch_size: int = _TRAIN.batch_size
-    test_batch_size: int = 512
-    lr: float = _TRAIN.lr
-    momentum: float = _TRAIN.momentum
-    weight_decay: float = _TRAIN.weight_decay
-    seed: int = _TRAIN.seed
-    # model
-    model: str = "raysim-clip"  # any open_clip model name (ViT-B-16, ...), raysim-clip (bundled) or raysim-tiny
+
+
+@dataclass
+class ModelConfig:
+    """The foundation model: any open_clip name (ViT-B-16, ...), raysim-clip (bundled) or raysim-tiny."""
+
+    name: str = "raysim-clip"
     pretrained: str = "bundled"  # open_clip tag (openai, ...), a checkpoint path, "bundled" (raysim-clip), "" = random init
-    n_ctx: int = _TRAIN.n_ctx  # learned context tokens of the CoOp prompt learner (the papers use 16 with ViT-B/16)
-    ctx_init: str = _TRAIN.ctx_init  # PromptFL starts its context from this phrase (n_ctx tokens); "" = random
-    # evaluation (SPEC 1.10: every eval_every rounds plus each of the last eval_last rounds)
-    evaluation: str = "in_cross"  # the evaluation protocol (raysim/evaluation.py): in_cross = In / Cross-Client
-    eval_every: int = 5
-    eval_last: int = 5
-    # execution
-    backend: str = "ray"  # ray | inline (same code, one process, no Ray)
-    placement: str = "pooled"  # pooled (clients pinned to num_actors actors) | actor_per_client
-    num_actors: int = 0  # pooled: number of client actors (0 = as many as the cluster has CPUs for)
-    client_cpus: float = 1.0  # CPUs reserved per client actor
-    client_gpus: float = 0.0  # fraction of a GPU per client actor (e.g. 0.25 = four actors per GPU)
-    server_cpus: float = 0.0
-    server_gpus: float = 0.0
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation (SPEC 1.10: every `every` rounds plus each of the last `last` rounds)."""
+
+    protocol: str = "in_cross"  # the evaluation protocol (raysim/evaluation.py registry)
+    every: int = 5
+    last: int = 5
+    batch_size: int = 512
+
+
+@dataclass
+class ExecutionConfig:
+    """Where and how the run executes; none of it changes results (except num_threads, bitwise)."""
+
+    backend: str = field(default="ray", metadata=RESUMABLE)  # ray | inline (same code, one process, no Ray)
+    placement: str = field(default="pooled", metadata=RESUMABLE)  # pooled | actor_per_client
+    num_actors: int = field(default=0, metadata=RESUMABLE)  # pooled: client actors (0 = as many as the CPUs allow)
+    client_cpus: float = field(default=1.0, metadata=RESUMABLE)  # CPUs reserved per client actor
+    client_gpus: float = field(default=0.0, metadata=RESUMABLE)  # fraction of a GPU per client actor
+    server_cpus: float = field(default=0.0, metadata=RESUMABLE)
+    server_gpus: float = field(default=0.0, metadata=RESUMABLE)
     num_threads: int = 1  # torch threads per actor (results are bitwise reproducible for a fixed value)
-    device: str = "auto"  # auto | cpu | cuda
-    address: str = ""  # join an existing Ray cluster ("auto" on a `ray up` head node); "" = start one here
-    max_actor_restarts: int = 3  # actors (client or server) replaced after a crash, per run (Ray backend)
+    device: str = field(default="auto", metadata=RESUMABLE)  # auto | cpu | cuda
+    address: str = field(default="", metadata=RESUMABLE)  # join an existing Ray cluster ("auto" on a `ray up` head)
+    max_actor_restarts: int = field(default=3, metadata=RESUMABLE)  # actors replaced after a crash, per run
     # client failures: a client whose local training raises, uploads a non-finite tensor or takes longer
     # than client_timeout seconds (0 = no limit) stops the run (fail) or is left out of its round (drop);
     # under drop the run stops when fewer than min_clients of a round's participants remain
-    on_client_error: str = "fail"  # fail | drop
-    client_timeout: float = 0.0
-    min_clients: int = 1
-    # output
-    out_dir: str = ""  # "" = runs/<method>-<dataset>-<timestamp>
-    resume: str = ""  # a run folder to continue from its last completed round
-    cache_dir: str = "~/.cache/raysim"  # frozen image features and generated data
-    tensorboard: bool = True
-    progress: bool = True
-    record_uploads: bool = False  # write what the server saw (uploads and the broadcast state) to out_dir/uploads/, for attacks
-    # privacy
+    on_client_error: str = field(default="fail", metadata=RESUMABLE)  # fail | drop
+    client_timeout: float = field(default=0.0, metadata=RESUMABLE)
+    min_clients: int = field(default=1, metadata=RESUMABLE)
+
+
+@dataclass
+class OutputConfig:
+    """Where the run writes, and what."""
+
+    out_dir: str = field(default="", metadata=RESUMABLE)  # "" = runs/<method>-<dataset>-<timestamp>
+    resume: str = field(default="", metadata=RESUMABLE)  # a run folder to continue from its last completed round
+    cache_dir: str = field(default="~/.cache/raysim", metadata=RESUMABLE)  # frozen image features, generated data
+    tensorboard: bool = field(default=True, metadata=RESUMABLE)
+    progress: bool = field(default=True, metadata=RESUMABLE)
+    record_uploads: bool = field(default=False, metadata=RESUMABLE)  # what the server saw, for the attacks
+
+
+SECTIONS: dict[str, type] = {
+    "data": DataConfig, "model": ModelConfig, "train": TrainConfig, "eval": EvalConfig,
+    "execution": ExecutionConfig, "output": OutputConfig, "dp": DPConfig,
+}
+
+# the flat keys of the previous release -> their place now (accepted with a deprecation message)
+RENAMED = {"model": "model.name", "pretrained": "model.pretrained", "evaluation": "eval.protocol",
+           "eval_every": "eval.every", "eval_last": "eval.last", "test_batch_size": "eval.batch_size"}
+for _section, _cls in SECTIONS.items():
+    if _section in ("model", "eval", "dp"):
+        continue
+    for _f in dataclasses.fields(_cls):
+        RENAMED.setdefault(_f.name, f"{_section}.{_f.name}")
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines one federated run, in sections. Field comments are the config reference."""
+
+    method: str = "promptfl"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)  # what every method's local training sees (this object)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
     dp: DPConfig = field(default_factory=DPConfig)
     # per-method sections (validated against each method's Options dataclass)
     methods: dict[str, Any] = field(default_factory=dict)
@@ -129,10 +168,14 @@ class RunConfig:
             return section
         return _build_dataclass(cls.Options, section or {}, prefix=f"{name}.")
 
+    def resumable_keys(self) -> set[str]:
+        """Dotted keys that may differ between a run and its resume (field metadata)."""
+        return {f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+                if f.metadata.get("resume")}
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("methods")
-        d["dp"] = dataclasses.asdict(self.dp)
         for name, section in sorted(self.methods.items()):
             d[name] = dataclasses.asdict(section) if dataclasses.is_dataclass(section) and not isinstance(section, type) else dict(section)
         return d
@@ -228,7 +271,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
-            raise ConfigError(f"expected key=value, got {item!r} (for example rounds=5 or dp.epsilon=1.0)")
+            raise ConfigError(f"expected key=value, got {item!r} (for example train.rounds=5 or dp.epsilon=1.0)")
         key, raw = item.split("=", 1)
         key = key.strip()
         if not key:
@@ -270,11 +313,38 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def move_flat_keys(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The previous release's flat keys (`rounds=5`, `model=ViT-B-16`) moved into their sections, with one
+    deprecation message per key. Entries apply in order, so of a flat key and its section key in one
+    mapping the later one wins (a flat key set on a loaded config overrides it)."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        new = RENAMED.get(key)
+        if new is None or (key == "model" and isinstance(value, Mapping)):
+            out = deep_merge(out, {key: value})
+            continue
+        if key not in _WARNED:
+            _WARNED.add(key)
+            log.warning("config key %r is now %r; the old name works in this release and will be refused in the next", key, new)
+        section, name = new.split(".")
+        out = deep_merge(out, {section: {name: value}})
+    return out
+
+
+_WARNED: set[str] = set()
+
+
+def merge_config(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """`extra` over `base`, each with its flat keys moved into their sections first, so a flat override
+    (`rounds=5` on the command line) wins over a nested base (`train: {rounds: 10}` in a file) and back."""
+    return deep_merge(move_flat_keys(base), move_flat_keys(extra))
+
+
 def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> RunConfig:
     """Build and validate a RunConfig from a (nested) mapping plus keyword overrides."""
     from raysim.methods import get_method, method_names
 
-    values = deep_merge(dict(values or {}), overrides)
+    values = merge_config(dict(values or {}), overrides)
     plain: dict[str, Any] = {}
     sections: dict[str, Any] = {}
     run_fields = {f.name for f in dataclasses.fields(RunConfig)} - {"methods"}
@@ -288,12 +358,12 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> R
         else:
             import difflib
 
-            choices = sorted(run_fields | set(method_names()))
+            choices = sorted(run_fields | set(method_names()) | set(RENAMED))
             hint = difflib.get_close_matches(key, choices, n=1)
-            extra = f" Did you mean {hint[0]!r}?" if hint else ""
+            extra = f" Did you mean {RENAMED.get(hint[0], hint[0])!r}?" if hint else ""
             raise ConfigError(
-                f"unknown config key {key!r}.{extra} Valid keys: {', '.join(sorted(run_fields))}; "
-                f"method sections: {', '.join(method_names())}."
+                f"unknown config key {key!r}.{extra} Valid keys: method and the sections {', '.join(SECTIONS)} "
+                f"(e.g. train.rounds=5); method sections: {', '.join(method_names())}."
             )
     cfg = _build_dataclass(RunConfig, plain)
     cfg.methods = {
@@ -311,59 +381,87 @@ def _check(cond: bool, msg: str) -> None:
 
 
 def validate(cfg: RunConfig) -> None:
-    from raysim.data import dataset_names
+    """Check every section; a message names the key as it is written (`train.rounds`) and what to do."""
     from raysim.methods import get_method
-    from raysim.sampling import participants
 
     get_method(cfg.method)  # raises with the valid choices
     cfg.method = cfg.method.lower()
-    if cfg.dataset.lower() not in dataset_names():
-        raise ConfigError(f"unknown dataset {cfg.dataset!r}. Valid choices: {', '.join(dataset_names())}.")
-    cfg.dataset = cfg.dataset.lower()
-    from raysim.backends import BACKENDS
-    from raysim.data import PARTITIONERS
+    _validate_data(cfg.data)
+    _validate_train(cfg.train)
+    _validate_eval(cfg.eval)
+    _validate_execution(cfg.execution, cfg.train)
+    _validate_dp(cfg.dp)
+    opts = cfg.method_options()
+    check = getattr(opts, "validate", None)
+    if callable(check):
+        check()
+    from raysim.actors import make_method
+    from raysim.privacy.mechanisms import check_method
 
-    _check(cfg.partition in PARTITIONERS, f"partition must be one of {', '.join(PARTITIONERS.names())}, got {cfg.partition!r}")
-    _check(cfg.backend in BACKENDS, f"backend must be one of {', '.join(sorted(BACKENDS))}, got {cfg.backend!r}")
+    check_method(make_method(cfg), cfg.dp)  # a method/dp combination that cannot be made private stops here
+
+
+def _validate_data(d: DataConfig) -> None:
+    from raysim.data import PARTITIONERS, dataset_names
+
+    if d.dataset.lower() not in dataset_names():
+        raise ConfigError(f"unknown dataset {d.dataset!r}. Valid choices: {', '.join(dataset_names())}.")
+    d.dataset = d.dataset.lower()
+    _check(d.partition in PARTITIONERS, f"data.partition must be one of {', '.join(PARTITIONERS.names())}, got {d.partition!r}")
+    _check(d.beta > 0 and math.isfinite(d.beta), f"data.beta must be a positive number, got {d.beta}")
+    _check(d.shots >= 0, f"data.shots must be >= 0 (0 = use all training images), got {d.shots}")
+
+
+def _validate_train(t: TrainConfig) -> None:
+    _check(t.num_clients >= 1, f"train.num_clients must be >= 1, got {t.num_clients}")
+    _check(0 < t.participation <= 1, f"train.participation must be in (0, 1], got {t.participation}")
+    _check(t.rounds >= 1, f"train.rounds must be >= 1, got {t.rounds}")
+    _check(t.local_epochs >= 1, f"train.local_epochs must be >= 1, got {t.local_epochs}")
+    _check(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")
+    _check(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    _check(t.momentum >= 0 and t.weight_decay >= 0, "train.momentum and train.weight_decay must be >= 0")
+    _check(t.n_ctx >= 1, f"train.n_ctx must be >= 1, got {t.n_ctx}")
+    _check(t.seed >= 0, f"train.seed must be >= 0, got {t.seed}")
+
+
+def _validate_eval(e: EvalConfig) -> None:
     from raysim.evaluation import PROTOCOLS
 
-    _check(cfg.evaluation in PROTOCOLS, f"evaluation must be one of {', '.join(PROTOCOLS.names())}, got {cfg.evaluation!r}")
-    _check(cfg.placement in PLACEMENTS, f"placement must be one of {', '.join(PLACEMENTS)}, got {cfg.placement!r}")
-    _check(cfg.beta > 0 and math.isfinite(cfg.beta), f"beta must be a positive number, got {cfg.beta}")
-    _check(cfg.shots >= 0, f"shots must be >= 0 (0 = use all training images), got {cfg.shots}")
-    _check(cfg.num_clients >= 1, f"num_clients must be >= 1, got {cfg.num_clients}")
-    _check(0 < cfg.participation <= 1, f"participation must be in (0, 1], got {cfg.participation}")
-    _check(cfg.rounds >= 1, f"rounds must be >= 1, got {cfg.rounds}")
-    _check(cfg.local_epochs >= 1, f"local_epochs must be >= 1, got {cfg.local_epochs}")
-    _check(cfg.batch_size >= 1, f"batch_size must be >= 1, got {cfg.batch_size}")
-    _check(cfg.test_batch_size >= 1, f"test_batch_size must be >= 1, got {cfg.test_batch_size}")
-    _check(cfg.lr > 0, f"lr must be > 0, got {cfg.lr}")
-    _check(cfg.momentum >= 0 and cfg.weight_decay >= 0, "momentum and weight_decay must be >= 0")
-    _check(cfg.n_ctx >= 1, f"n_ctx must be >= 1, got {cfg.n_ctx}")
-    _check(cfg.eval_every >= 1 and cfg.eval_last >= 0, "eval_every must be >= 1 and eval_last >= 0")
-    _check(cfg.num_actors >= 0, f"num_actors must be >= 0 (0 = automatic), got {cfg.num_actors}")
-    _check(cfg.client_cpus >= 0 and cfg.server_cpus >= 0, "client_cpus and server_cpus must be >= 0")
-    _check(0 <= cfg.client_gpus <= 1, f"client_gpus is a fraction of one GPU per actor, in [0, 1]; got {cfg.client_gpus}")
-    _check(cfg.server_gpus >= 0, f"server_gpus must be >= 0, got {cfg.server_gpus}")
-    _check(cfg.num_threads >= 1, f"num_threads must be >= 1, got {cfg.num_threads}")
-    _check(cfg.max_actor_restarts >= 0, f"max_actor_restarts must be >= 0, got {cfg.max_actor_restarts}")
-    _check(cfg.on_client_error in ON_CLIENT_ERROR,
-           f"on_client_error must be one of {', '.join(ON_CLIENT_ERROR)}, got {cfg.on_client_error!r}")
-    _check(cfg.client_timeout >= 0 and not math.isnan(cfg.client_timeout),
-           f"client_timeout is in seconds and must be >= 0 (0 = no limit), got {cfg.client_timeout}")
-    per_round = len(participants(cfg.seed, 0, cfg.num_clients, cfg.participation))
-    _check(1 <= cfg.min_clients <= per_round,
-           f"min_clients must be between 1 and the {per_round} clients sampled per round "
-           f"(num_clients={cfg.num_clients} x participation={cfg.participation}), got {cfg.min_clients}")
-    _check(cfg.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {cfg.device!r}")
-    _check(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
-    dp = cfg.dp
-    _check(dp.epsilon > 0, f"dp.epsilon must be > 0 (inf turns DP off), got {dp.epsilon}")
-    _check(0 < dp.delta < 1, f"dp.delta must be in (0, 1), got {dp.delta}")
-    _check(dp.clip > 0, f"dp.clip must be > 0, got {dp.clip}")
+    _check(e.protocol in PROTOCOLS, f"eval.protocol must be one of {', '.join(PROTOCOLS.names())}, got {e.protocol!r}")
+    _check(e.batch_size >= 1, f"eval.batch_size must be >= 1, got {e.batch_size}")
+    _check(e.every >= 1 and e.last >= 0, "eval.every must be >= 1 and eval.last >= 0")
+
+
+def _validate_execution(x: ExecutionConfig, t: TrainConfig) -> None:
+    from raysim.backends import BACKENDS
+    from raysim.sampling import participants
+
+    _check(x.backend in BACKENDS, f"execution.backend must be one of {', '.join(sorted(BACKENDS))}, got {x.backend!r}")
+    _check(x.placement in PLACEMENTS, f"execution.placement must be one of {', '.join(PLACEMENTS)}, got {x.placement!r}")
+    _check(x.num_actors >= 0, f"execution.num_actors must be >= 0 (0 = automatic), got {x.num_actors}")
+    _check(x.client_cpus >= 0 and x.server_cpus >= 0, "execution.client_cpus and execution.server_cpus must be >= 0")
+    _check(0 <= x.client_gpus <= 1, f"execution.client_gpus is a fraction of one GPU per actor, in [0, 1]; got {x.client_gpus}")
+    _check(x.server_gpus >= 0, f"execution.server_gpus must be >= 0, got {x.server_gpus}")
+    _check(x.num_threads >= 1, f"execution.num_threads must be >= 1, got {x.num_threads}")
+    _check(x.max_actor_restarts >= 0, f"execution.max_actor_restarts must be >= 0, got {x.max_actor_restarts}")
+    _check(x.on_client_error in ON_CLIENT_ERROR,
+           f"execution.on_client_error must be one of {', '.join(ON_CLIENT_ERROR)}, got {x.on_client_error!r}")
+    _check(x.client_timeout >= 0 and not math.isnan(x.client_timeout),
+           f"execution.client_timeout is in seconds and must be >= 0 (0 = no limit), got {x.client_timeout}")
+    per_round = len(participants(t.seed, 0, t.num_clients, t.participation))
+    _check(1 <= x.min_clients <= per_round,
+           f"execution.min_clients must be between 1 and the {per_round} clients sampled per round "
+           f"(num_clients={t.num_clients} x participation={t.participation}), got {x.min_clients}")
+    _check(x.device in ("auto", "cpu", "cuda"), f"execution.device must be auto, cpu or cuda, got {x.device!r}")
+
+
+def _validate_dp(dp: DPConfig) -> None:
     from raysim.privacy.accountant import ACCOUNTANTS
     from raysim.privacy.mechanisms import MECHANISMS
 
+    _check(dp.epsilon > 0, f"dp.epsilon must be > 0 (inf turns DP off), got {dp.epsilon}")
+    _check(0 < dp.delta < 1, f"dp.delta must be in (0, 1), got {dp.delta}")
+    _check(dp.clip > 0, f"dp.clip must be > 0, got {dp.clip}")
     _check(dp.accountant in ACCOUNTANTS, f"dp.accountant must be one of {', '.join(ACCOUNTANTS)}, got {dp.accountant!r}")
     _check(dp.microbatch >= 1, f"dp.microbatch must be >= 1, got {dp.microbatch}")
     _check(dp.calibration in ("participated", "all_rounds"), "dp.calibration must be participated or all_rounds")
@@ -375,19 +473,11 @@ def validate(cfg: RunConfig) -> None:
     _check(0 < dp.vpp_rho <= 0.5, f"dp.vpp_rho must be in (0, 0.5], got {dp.vpp_rho}")
     _check(dp.vpp_H > 0, f"dp.vpp_H must be > 0, got {dp.vpp_H}")
     _check(0 < dp.vpp_split < 1, f"dp.vpp_split must be in (0, 1), got {dp.vpp_split}")
-    opts = cfg.method_options()
-    check = getattr(opts, "validate", None)
-    if callable(check):
-        check()
-    from raysim.actors import make_method
-    from raysim.privacy.mechanisms import check_method
-
-    check_method(make_method(cfg), dp)  # a method/dp combination that cannot be made private stops here
 
 
 def config_from_cli(config_file: str | None, overrides: list[str]) -> RunConfig:
     base = load_yaml(config_file) if config_file else {}
-    return build_config(deep_merge(base, parse_overrides(overrides)))
+    return build_config(merge_config(base, parse_overrides(overrides)))
 
 
 def config_from_yaml_text(text: str) -> RunConfig:

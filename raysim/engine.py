@@ -25,18 +25,6 @@ from raysim.store import LOCK_NAME, RunLock, StateStore
 
 log = logging.getLogger(__name__)
 
-# keys that may differ between a run and its resume (they do not change results). The client-failure
-# policy (on_client_error, client_timeout, min_clients) is among them: it never changes the numbers of a
-# round that completes, only whether a round with failed clients stops the run or completes without them,
-# and a resume keeps every completed round as written. Its main use: a run stopped by a failing client
-# under on_client_error=fail (so every completed round had no failure) continues with on_client_error=drop
-# exactly as a fresh drop run would.
-EXECUTION_KEYS = {
-    "backend", "placement", "num_actors", "client_cpus", "client_gpus", "server_cpus", "server_gpus",
-    "address", "max_actor_restarts", "progress", "tensorboard", "resume", "out_dir", "cache_dir", "data_root", "device",
-    "record_uploads", "on_client_error", "client_timeout", "min_clients",
-}
-
 
 @dataclass
 class RunResult:
@@ -64,39 +52,41 @@ def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationDat
     register_builtin_configs()
     import open_clip
 
-    if cfg.model not in open_clip.list_models():
-        load_clip(ModelSpec(cfg.model, cfg.pretrained, cache_dir=cfg.cache_dir))  # raises the helpful ConfigError
-    model_cfg = open_clip.get_model_config(cfg.model) or {}
+    if cfg.model.name not in open_clip.list_models():
+        load_clip(ModelSpec(cfg.model.name, cfg.model.pretrained, cache_dir=cfg.output.cache_dir))  # raises the helpful ConfigError
+    model_cfg = open_clip.get_model_config(cfg.model.name) or {}
     size = (model_cfg.get("vision_cfg") or {}).get("image_size", 224)
     size = int(size[0] if isinstance(size, (list, tuple)) else size)
     if needs.input == "images" and needs.image_size:
         size = needs.image_size  # methods that train their own image models pick their input size
-    spec = LoadSpec(data_root=cfg.data_root, image_size=size, download=cfg.download, seed=cfg.seed, cache_dir=cfg.cache_dir)
-    bundle = DATASETS.get(cfg.dataset)(spec)
+    spec = LoadSpec(data_root=cfg.data.data_root, image_size=size, download=cfg.data.download, seed=cfg.train.seed,
+                    cache_dir=cfg.output.cache_dir)
+    bundle = DATASETS.get(cfg.data.dataset)(spec)
     pspec = PartitionSpec(
         train_labels=bundle.train.labels,
         test_labels=bundle.test.labels,
-        num_clients=cfg.num_clients,
-        seed=cfg.seed,
-        beta=cfg.beta,
-        shots=cfg.shots,
-        min_samples=cfg.min_samples,
+        num_clients=cfg.train.num_clients,
+        seed=cfg.train.seed,
+        beta=cfg.data.beta,
+        shots=cfg.data.shots,
+        min_samples=cfg.data.min_samples,
         train_domains=bundle.train.domains,
         test_domains=bundle.test.domains,
     )
-    splits = partition(cfg.partition, pspec)
+    splits = partition(cfg.data.partition, pspec)
     ttr = tte = None
     if needs.input == "features":
         tokens = needs.tokens
         xtr, xte, *toks = cached_image_features(
-            bundle, model_spec=ModelSpec(cfg.model, cfg.pretrained, cache_dir=cfg.cache_dir), image_size=size, cache_dir=cfg.cache_dir,
-            device=resolve_device(cfg.device), progress=progress, tokens=tokens,
+            bundle, model_spec=ModelSpec(cfg.model.name, cfg.model.pretrained, cache_dir=cfg.output.cache_dir), image_size=size,
+            cache_dir=cfg.output.cache_dir,
+            device=resolve_device(cfg.execution.device), progress=progress, tokens=tokens,
         )
         if tokens:
             ttr, tte = toks
             if ttr.shape[1] < 2:
                 raise ConfigError(
-                    f"{cfg.model}'s image tower yields {ttr.shape[1]} token per image at {size} px (a 1x1 feature map), "
+                    f"{cfg.model.name}'s image tower yields {ttr.shape[1]} token per image at {size} px (a 1x1 feature map), "
                     "so a router attending over tokens would ignore its probe query; use a ViT image tower "
                     "(e.g. model=raysim-tiny, or a ViT checkpoint from `raysim pretrain --vision vit`) or fedsept.router=pooled"
                 )
@@ -141,13 +131,7 @@ def mean_of_defined(values: list[float]) -> float:
 
 def flat_config(cfg: RunConfig) -> dict[str, Any]:
     """The config as one level of `key` / `section.key` entries (TensorBoard hparams, sweep tables)."""
-    out: dict[str, Any] = {}
-    for k, v in cfg.to_dict().items():
-        if isinstance(v, dict):
-            out.update({f"{k}.{kk}": vv for kk, vv in v.items()})
-        else:
-            out[k] = v
-    return out
+    return _dotted(cfg.to_dict())
 
 
 def materialize_images(images) -> "torch.Tensor":
@@ -159,37 +143,50 @@ def materialize_images(images) -> "torch.Tensor":
 
 
 def resume_config(run_dir: str | Path, overrides: Optional[dict[str, Any]] = None) -> RunConfig:
-    """The config of the run in `run_dir`, with execution keys (and `rounds`, to extend a run) overridden."""
-    from raysim.config import deep_merge
+    """The config of the run in `run_dir`, with resumable keys (field metadata: execution, output,
+    data.data_root, train.rounds to extend a run) overridden; any other change is refused."""
+    from raysim.config import merge_config, move_flat_keys
 
     run_dir = Path(run_dir).expanduser()
     if not (run_dir / "config.yaml").is_file():
-        raise ConfigError(f"resume={run_dir}: no config.yaml there; pass the out_dir of an earlier run")
-    overrides = dict(overrides or {})
-    bad = sorted(k for k in overrides if k not in EXECUTION_KEYS | {"rounds"})
-    saved = load_yaml(run_dir / "config.yaml")
-    bad = [k for k in bad if saved.get(k) != overrides[k]]
+        raise ConfigError(f"output.resume={run_dir}: no config.yaml there; pass the out_dir of an earlier run")
+    saved_cfg = build_config(load_yaml(run_dir / "config.yaml"))  # a flat config.yaml of the previous release moves too
+    saved, allowed = flat_config(saved_cfg), saved_cfg.resumable_keys()
+    overrides = move_flat_keys(dict(overrides or {}))
+    changed = {k: v for k, v in _dotted(overrides).items() if saved.get(k) != v}
+    bad = sorted(k for k in changed if k not in allowed)
     if bad:
         raise ConfigError(
             f"resume: {', '.join(bad)} would change the results of the run being resumed; "
-            f"only these keys may change: rounds, {', '.join(sorted(EXECUTION_KEYS))}"
+            f"only these keys may change: {', '.join(sorted(allowed))}"
         )
-    cfg = build_config(deep_merge(saved, overrides))
-    cfg.resume = cfg.out_dir = str(run_dir)
+    cfg = build_config(merge_config(saved_cfg.to_dict(), overrides))
+    cfg.output.resume = cfg.output.out_dir = str(run_dir)
     return cfg
+
+
+def _dotted(d: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{kk}": vv for kk, vv in v.items()})
+        else:
+            out[k] = v
+    return out
 
 
 def resolve_out_dir(cfg: RunConfig) -> tuple[Path, int]:
     """Where the run writes and the last completed round; never overwrites an existing run."""
-    if cfg.resume:
-        run_dir = Path(cfg.resume).expanduser()
-        saved = resume_config(run_dir).to_dict()
-        for k, v in cfg.to_dict().items():
-            if k not in EXECUTION_KEYS and k != "rounds" and saved.get(k) != v:
+    if cfg.output.resume:
+        run_dir = Path(cfg.output.resume).expanduser()
+        saved = flat_config(resume_config(run_dir))
+        allowed = cfg.resumable_keys()
+        for k, v in flat_config(cfg).items():
+            if k not in allowed and saved.get(k) != v:
                 raise ConfigError(f"resume: {k}={v!r} differs from the resumed run's {saved.get(k)!r}")
-        cfg.out_dir = str(run_dir)
+        cfg.output.out_dir = str(run_dir)
         return run_dir, StateStore(run_dir).completed_round()
-    out = Path(cfg.out_dir or f"runs/{cfg.method}-{cfg.dataset}-{datetime.now():%Y%m%d-%H%M%S}").expanduser()
+    out = Path(cfg.output.out_dir or f"runs/{cfg.method}-{cfg.data.dataset}-{datetime.now():%Y%m%d-%H%M%S}").expanduser()
     if out.exists() and any(p.name != LOCK_NAME for p in out.iterdir()):
         holder = RunLock(out).holder()
         if holder is not None:
@@ -197,9 +194,9 @@ def resolve_out_dir(cfg: RunConfig) -> tuple[Path, int]:
                 f"out_dir {out} is being written by a run that is still going ({RunLock.describe(holder)}); choose another out_dir"
             )
         raise ConfigError(
-            f"out_dir {out} already holds files; pass resume={out} to continue that run, or choose another out_dir"
+            f"out_dir {out} already holds files; pass output.resume={out} to continue that run, or choose another out_dir"
         )
-    cfg.out_dir = str(out)
+    cfg.output.out_dir = str(out)
     return out, -1
 
 
@@ -218,12 +215,12 @@ def _run(cfg: RunConfig, out_dir: Path, done: int, on_round: Optional[Callable[[
     method, backend, logger, hparams = _start(cfg, out_dir, done)
     info = {"method": cfg.method, **backend.info}
     store = StateStore(out_dir)
-    evals = eval_rounds(cfg.rounds, cfg.eval_every, cfg.eval_last)
+    evals = eval_rounds(cfg.train.rounds, cfg.eval.every, cfg.eval.last)
     extra = metric_columns(method)
     rows: list[dict[str, Any]] = []
     bar = _progress_bar(cfg, done)
     try:
-        for r in range(done + 1, cfg.rounds):
+        for r in range(done + 1, cfg.train.rounds):
             row, client_rows = _one_round(cfg, backend, r, evaluate=r in evals, extra=extra)
             logger.log_round(row, client_rows)
             store.mark_complete(r)
@@ -247,27 +244,27 @@ def _start(cfg: RunConfig, out_dir: Path, done: int) -> tuple[Any, Any, RunLogge
     from raysim.backends import BACKENDS
 
     method = make_method(cfg)
-    if done >= cfg.rounds - 1:
+    if done >= cfg.train.rounds - 1:
         log.info("run %s already completed %d rounds", out_dir, done + 1)
-    data = prepare_data(cfg, method.needs(), progress=cfg.progress)
+    data = prepare_data(cfg, method.needs(), progress=cfg.output.progress)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(cfg.to_yaml())
     hparams = flat_config(cfg)
-    logger = RunLogger(out_dir, tensorboard=cfg.tensorboard, hparams=hparams, extra_columns=metric_columns(method))
+    logger = RunLogger(out_dir, tensorboard=cfg.output.tensorboard, hparams=hparams, extra_columns=metric_columns(method))
     logger.resume_at(done)
-    backend = BACKENDS[cfg.backend](cfg, data, str(out_dir), done)
+    backend = BACKENDS[cfg.execution.backend](cfg, data, str(out_dir), done)
     devices = " ".join(backend.info.get("devices", ["cpu"]))
-    if cfg.client_gpus > 0 and cfg.backend != "ray" and "cuda" not in devices:  # ray says it itself
-        log.warning("client_gpus=%s but no GPU is visible: running on CPU", cfg.client_gpus)
+    if cfg.execution.client_gpus > 0 and cfg.execution.backend != "ray" and "cuda" not in devices:  # ray says it itself
+        log.warning("client_gpus=%s but no GPU is visible: running on CPU", cfg.execution.client_gpus)
     return method, backend, logger, hparams
 
 
 def _progress_bar(cfg: RunConfig, done: int) -> Any:
-    if not cfg.progress:
+    if not cfg.output.progress:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=cfg.rounds, initial=done + 1, desc=f"{cfg.method} rounds", unit="round")
+    return tqdm(total=cfg.train.rounds, initial=done + 1, desc=f"{cfg.method} rounds", unit="round")
 
 
 def _one_round(
@@ -275,7 +272,7 @@ def _one_round(
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Train, aggregate, (evaluate,) commit round r; its results.csv row and client_results.csv rows."""
     t0 = time.perf_counter()
-    part = participants(cfg.seed, r, cfg.num_clients, cfg.participation)
+    part = participants(cfg.train.seed, r, cfg.train.num_clients, cfg.train.participation)
     reports, stats = backend.train_round(r, part)  # raises ClientFailure per on_client_error / min_clients
     dropped = [x for x in reports if x.dropped]
     for x in dropped:
@@ -309,9 +306,9 @@ def _one_round(
 
 def _finish(cfg: RunConfig, out_dir: Path, logger: RunLogger, hparams: dict[str, Any], rows: list[dict[str, Any]],
             info: dict[str, Any]) -> RunResult:
-    summary = summarize(out_dir / "results.csv", last=max(1, cfg.eval_last))
+    summary = summarize(out_dir / "results.csv", last=max(1, cfg.eval.last))
     logger.close(final_metrics=summary, hparams=hparams)
-    title = f"{cfg.method} on {cfg.dataset} ({cfg.partition}, {cfg.num_clients} clients)"
+    title = f"{cfg.method} on {cfg.data.dataset} ({cfg.data.partition}, {cfg.train.num_clients} clients)"
     (out_dir / "summary.md").write_text(
         summary_table([(cfg.method, summary)], title=title)
         + f"\nMean of the last {int(summary.get('rounds_averaged', 0))} evaluated rounds; accuracies in %.\n"

@@ -21,12 +21,13 @@ def build_parser(prog: str = "python raysim/run.py") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Run a federated learning simulation (defaults: PromptFL on digits, 10 clients, offline).",
-        epilog="Examples: rounds=20 method=promptfl dataset=digits backend=inline  |  dp.epsilon=1.0  |  resume=runs/X",
+        epilog="Examples: train.rounds=20 method=promptfl data.dataset=digits execution.backend=inline  |  dp.epsilon=1.0  |  "
+               "output.resume=runs/X",
     )
     p.add_argument("--config", "-c", help="YAML file with config keys (key=value arguments override it)")
     p.add_argument("--sweep", help="YAML sweep file: run a Ray Tune sweep instead of one federation")
     p.add_argument("--resume", action="store_true", help="with --sweep: continue that sweep's Tune experiment (Tuner.restore)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. rounds=5 dp.epsilon=1")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.rounds=5 dp.epsilon=1")
     return p
 
 
@@ -46,7 +47,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python raysim/run.py
         if args.resume:
             from raysim.errors import ConfigError
 
-            raise ConfigError("--resume continues a sweep (with --sweep FILE); to continue a run pass resume=OUT_DIR")
+            raise ConfigError("--resume continues a sweep (with --sweep FILE); to continue a run pass output.resume=OUT_DIR")
         from raysim.config import config_from_cli, parse_overrides
         from raysim.engine import resume_config, run
 
@@ -60,8 +61,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python raysim/run.py
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        where = getattr(cfg, "out_dir", "") or "OUT_DIR"
-        print(f"interrupted: every completed round is saved; continue with resume={where}", file=sys.stderr)
+        where = (cfg.output.out_dir if cfg is not None else "") or "OUT_DIR"
+        print(f"interrupted: every completed round is saved; continue with output.resume={where}", file=sys.stderr)
         return 130
     print()
     print((result.out_dir / "summary.md").read_text())

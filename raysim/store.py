@@ -239,7 +239,7 @@ class StateStore:
             return completed
         unsafe = [e for _, e in bad if "could run code" in str(e)]
         if unsafe:
-            raise CheckpointError(f"resume={self.root.parent}: {unsafe[0]}")
+            raise CheckpointError(f"output.resume={self.root.parent}: {unsafe[0]}")
         first = bad[0][1]
         more = f" (and {len(bad) - 1} more file(s) of that round)" if len(bad) > 1 else ""
         prev = completed - 1
@@ -253,7 +253,7 @@ class StateStore:
             self.mark_complete(prev)
             return prev
         raise CheckpointError(
-            f"resume={self.root.parent}: {first}{more}; round {completed} cannot be restored, and the round before "
+            f"output.resume={self.root.parent}: {first}{more}; round {completed} cannot be restored, and the round before "
             f"it, {prev}, the only other one kept under state/, is damaged too ({prev_bad[0][1]}). "
             "No intact round is left to resume from; start a new run."
         )
@@ -330,7 +330,7 @@ class RunLock:
                 self._remove_created()
                 raise RunFolderLocked(
                     f"{self.out_dir} is being written by another run ({self.describe(info)}); two writers would "
-                    f"corrupt it. Wait for that run to end (or stop it), then pass resume={self.out_dir}; or choose another out_dir."
+                    f"corrupt it. Wait for that run to end (or stop it), then pass output.resume={self.out_dir}; or choose another out_dir."
                 ) from None
             try:  # a holder that was releasing may have removed the file we opened: lock the one at the path
                 same = os.stat(self.path).st_ino == os.fstat(fd).st_ino

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import pandas
 
 from raysim.cluster import init_ray, plan_hosts
-from raysim.config import RunConfig, build_config, deep_merge, load_yaml, parse_overrides
+from raysim.config import RunConfig, build_config, load_yaml, merge_config, move_flat_keys, parse_overrides
 from raysim.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,8 @@ def validate_sweep(spec: Mapping[str, Any]) -> dict[str, Any]:
     out["base"], out["space"] = base, clean_space
     _check_objective(out)
     if out["asha"] is not None:
-        rounds = max([cfg.rounds] + [int(v) for v in _space_values(clean_space, "rounds")])
+        swept = _space_values(clean_space, "rounds") + _space_values(clean_space, "train.rounds")
+        rounds = max([cfg.train.rounds] + [int(v) for v in swept])
         out["asha"] = _check_asha(out["asha"], rounds)
     _check_run_keys(out)
     _check_fixed_hosts(base, clean_space)
@@ -141,9 +142,9 @@ def _check_base(base: Any) -> tuple[dict[str, Any], RunConfig]:
     base = base or {}
     if not isinstance(base, Mapping):
         raise ConfigError("base: must be a mapping of config keys (e.g. method: promptfl)")
-    base = {k: _yaml_value(v) for k, v in base.items()}
+    base = move_flat_keys({k: _yaml_value(v) for k, v in base.items()})
     for k in TRIAL_OWNED:
-        if base.get(k):
+        if (base.get("output") or {}).get(k):
             raise ConfigError(f"base: {k} is set per trial by the sweep (each trial writes to <trial dir>/run); remove it")
     return base, build_config(base)  # unknown keys / bad values in base
 
@@ -172,7 +173,7 @@ def _check_dimension(base: Mapping[str, Any], key: str, dist: Any) -> dict[str, 
     if kind in ("uniform", "loguniform"):
         values = _check_range(key, kind, values)
     for v in values:  # every value must make a valid config (unknown key, wrong type, out of range)
-        trial = deep_merge(base, {})
+        trial = merge_config(base, {})
         _set_dotted(trial, key, v)
         try:
             build_config(trial)
@@ -238,9 +239,9 @@ def _check_fixed_hosts(base: Mapping[str, Any], space: Mapping[str, Mapping[str,
     """Inside a trial the number of client actors is fixed by the config, never by the cluster size."""
     for values in _trial_grid(base, space):
         c = build_config(values)
-        if c.backend == "ray" and c.placement == "pooled" and c.num_actors == 0:
+        if c.execution.backend == "ray" and c.execution.placement == "pooled" and c.execution.num_actors == 0:
             raise ConfigError(
-                "a sweep needs a fixed number of client actors per trial: set num_actors (e.g. base: {num_actors: 2}) "
+                "a sweep needs a fixed number of client actors per trial: set num_actors (e.g. base: {execution: {num_actors: 2}}) "
                 "or placement: actor_per_client"
             )
 
@@ -260,7 +261,7 @@ def _trial_grid(base: Mapping[str, Any], space: Mapping[str, Mapping[str, list[A
     keys = list(space)
     out = []
     for combo in itertools.product(*[_space_values(space, k) for k in keys]):
-        values = deep_merge(dict(base), {})
+        values = merge_config(dict(base), {})
         for k, v in zip(keys, combo):
             _set_dotted(values, k, v)
         out.append(values)
@@ -282,7 +283,7 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any
                 raise ConfigError(f"{key} cannot be overridden on the command line; set its keys directly (e.g. rounds=5)")
             spec[key] = value
         else:
-            spec["base"] = deep_merge(dict(spec.get("base") or {}), {key: value})
+            spec["base"] = merge_config(dict(spec.get("base") or {}), {key: value})
     return spec
 
 
@@ -302,7 +303,7 @@ def trial_bundles(values: Mapping[str, Any], *, has_gpu: bool = True,
     RayBackend will plan it on `cluster` (`plan_hosts`; a sweep fixes H, so the cluster's size does not
     change it)."""
     cfg = build_config(values)
-    cg, sg = (cfg.client_gpus, cfg.server_gpus) if has_gpu else (0.0, 0.0)
+    cg, sg = (cfg.execution.client_gpus, cfg.execution.server_gpus) if has_gpu else (0.0, 0.0)
 
     def bundle(cpu: float, gpu: float) -> dict[str, float]:
         b = {"CPU": float(cpu)} if cpu > 0 else {}
@@ -310,14 +311,14 @@ def trial_bundles(values: Mapping[str, Any], *, has_gpu: bool = True,
             b["GPU"] = float(gpu)
         return b or {"CPU": MIN_BUNDLE_CPU}
 
-    if cfg.backend == "inline":  # the whole federation runs in the trial driver
-        return [bundle(max(cfg.client_cpus, MIN_BUNDLE_CPU), cg)]
+    if cfg.execution.backend == "inline":  # the whole federation runs in the trial driver
+        return [bundle(max(cfg.execution.client_cpus, MIN_BUNDLE_CPU), cg)]
     cluster = cluster or {}
     hosts = plan_hosts(cfg, float(cluster.get("CPU", 0)), float(cluster.get("GPU", 0)) if has_gpu else 0.0)
     bundles = [{"CPU": MIN_BUNDLE_CPU}]
-    if cfg.server_cpus > 0 or sg > 0:
-        bundles.append(bundle(cfg.server_cpus, sg))
-    bundles += [bundle(cfg.client_cpus, cg) for _ in hosts]
+    if cfg.execution.server_cpus > 0 or sg > 0:
+        bundles.append(bundle(cfg.execution.server_cpus, sg))
+    bundles += [bundle(cfg.execution.client_cpus, cg) for _ in hosts]
     return bundles
 
 
@@ -348,13 +349,11 @@ def federation(config: dict[str, Any], *, base: dict[str, Any], experiment_path:
 
     trial_dir = Path(experiment_path) / Path(tune.get_context().get_trial_dir()).name
     run_dir = trial_dir / "run"
-    values = deep_merge(base, _flat_to_nested(config))
-    values["progress"] = False
+    values = merge_config(base, _flat_to_nested(config))
     if (run_dir / "config.yaml").is_file():  # restored trial: continue the federation where it stopped
-        cfg = resume_config(run_dir, {"progress": False})
+        cfg = resume_config(run_dir, {"output": {"progress": False}})
     else:
-        values["out_dir"] = str(run_dir)
-        cfg = build_config(values)
+        cfg = build_config(merge_config(values, {"output": {"progress": False, "out_dir": str(run_dir)}}))
     last: dict[str, float] = {"in_client": math.nan, "cross_client": math.nan, "hm": math.nan}
     eps_spent = [math.nan]
     t0 = time.perf_counter()
@@ -367,7 +366,7 @@ def federation(config: dict[str, Any], *, base: dict[str, Any], experiment_path:
         e = row.get("epsilon_max")
         if isinstance(e, float) and math.isfinite(e):
             eps_spent[0] = e if not math.isfinite(eps_spent[0]) else max(eps_spent[0], e)
-        summary = summarize(run_dir / "results.csv", last=max(1, cfg.eval_last))  # as summary.md, so far
+        summary = summarize(run_dir / "results.csv", last=max(1, cfg.eval.last))  # as summary.md, so far
         metrics = {
             "round": int(row["round"]),
             **last,
@@ -410,16 +409,16 @@ def _search_space(space: Mapping[str, Mapping[str, list[Any]]]) -> dict[str, Any
 
 def _absolutize(base: dict[str, Any]) -> dict[str, Any]:
     """Trials run with the trial folder as working directory: make relative paths absolute here."""
-    base = dict(base)
-    for key in ("data_root", "cache_dir"):
-        v = base.get(key)
+    base = move_flat_keys(base)
+    for section, key in (("data", "data_root"), ("output", "cache_dir")):
+        part = base.setdefault(section, {})
+        v = part.get(key)
         if isinstance(v, str) and v and not v.startswith("~") and not os.path.isabs(v):
-            base[key] = os.path.abspath(v)
-    if "data_root" not in base:
-        base["data_root"] = os.path.abspath("./data")
-    p = base.get("pretrained")
+            part[key] = os.path.abspath(v)
+    base["data"].setdefault("data_root", os.path.abspath("./data"))
+    p = (base.get("model") or {}).get("pretrained")
     if isinstance(p, str) and p and not os.path.isabs(p) and os.path.exists(p):
-        base["pretrained"] = os.path.abspath(p)
+        base["model"]["pretrained"] = os.path.abspath(p)
     return base
 
 
@@ -433,7 +432,7 @@ def run_sweep(spec: Mapping[str, Any], *, restore: Optional[bool] = None, verbos
     storage = Path(spec["storage"]).expanduser().resolve()
     exp_dir = storage / spec["name"]
     _check_experiment_dir(exp_dir, spec["restore"])
-    started = init_ray(base_cfg.address)
+    started = init_ray(base_cfg.execution.address)
     try:
         tuner = _tuner(spec, base, base_cfg, storage, exp_dir, verbose)
         t0 = time.perf_counter()
@@ -472,7 +471,7 @@ def _concurrency(spec: Mapping[str, Any], base: dict[str, Any], base_cfg: RunCon
     A local cluster too small for one trial is refused; a remote one may still grow (autoscaler)."""
     has_gpu = float(cluster.get("GPU", 0)) > 0
     corners = _trial_grid(base, spec["space"])
-    if not has_gpu and any(build_config(v).client_gpus > 0 or build_config(v).server_gpus > 0 for v in corners):
+    if not has_gpu and any(build_config(v).execution.client_gpus > 0 or build_config(v).execution.server_gpus > 0 for v in corners):
         log.warning("no GPU in the Ray cluster: client_gpus/server_gpus are not reserved, actors run on CPU")
     needs = [trial_bundles(v, has_gpu=has_gpu, cluster=cluster) for v in corners]
     biggest = max(needs, key=lambda b: sum(_totals(b).values()))
@@ -480,7 +479,7 @@ def _concurrency(spec: Mapping[str, Any], base: dict[str, Any], base_cfg: RunCon
     if fit == 0:
         msg = (f"one trial needs {_totals(biggest)} but the Ray cluster has "
                f"{ {k: v for k, v in cluster.items() if k in _totals(biggest)} }")
-        if not base_cfg.address:  # a local cluster never grows
+        if not base_cfg.execution.address:  # a local cluster never grows
             raise ConfigError(msg + ": lower client_cpus / client_gpus / num_actors")
         log.warning("%s; waiting for the autoscaler to add nodes", msg)
     return spec["max_concurrent"] or max(1, fit)
@@ -497,7 +496,7 @@ def _tuner(spec: Mapping[str, Any], base: dict[str, Any], base_cfg: RunConfig, s
     max_concurrent = _concurrency(spec, base, base_cfg, cluster)
 
     def resources(config: dict[str, Any]):
-        values = deep_merge(base, _flat_to_nested(config))
+        values = merge_config(base, _flat_to_nested(config))
         return tune.PlacementGroupFactory(trial_bundles(values, has_gpu=has_gpu, cluster=cluster))
 
     trainable = tune.with_resources(
@@ -551,17 +550,18 @@ def trials_table(grid, spec: Mapping[str, Any]) -> "pandas.DataFrame":
 
             run_cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
             try:
-                summary = summarize(run_dir / "results.csv", last=max(1, int(run_cfg.get("eval_last", 5))))
+                last = (run_cfg.get("eval") or {}).get("last", run_cfg.get("eval_last", 5))
+                summary = summarize(run_dir / "results.csv", last=max(1, int(last)))
                 rounds_done = len(pd.read_csv(run_dir / "results.csv"))
             except Exception:  # noqa: BLE001 - an empty results.csv of a trial that failed in round 0
                 pass
         row.update({k: summary.get(k, math.nan) for k in ("in_client", "cross_client", "hm")})
-        dp_eps = _get_dotted(deep_merge(spec["base"], _flat_to_nested(cfg_flat)), "dp.epsilon", math.inf)
+        dp_eps = _get_dotted(merge_config(spec["base"], _flat_to_nested(cfg_flat)), "dp.epsilon", math.inf)
         eps = m.get("epsilon_spent", math.nan)
         row["epsilon_spent"] = math.inf if not math.isfinite(_yaml_float(dp_eps)) else eps
         row["rounds_done"] = rounds_done
         row["wall_s"] = float(m.get("time_total_s", math.nan))
-        rounds = _get_dotted(deep_merge(spec["base"], _flat_to_nested(cfg_flat)), "rounds", 10)
+        rounds = _get_dotted(merge_config(spec["base"], _flat_to_nested(cfg_flat)), "train.rounds", 10)
         row["status"] = "error" if result.error else ("completed" if rounds_done >= int(rounds) else "stopped")
         row["out_dir"] = str(run_dir)
         rows.append(row)

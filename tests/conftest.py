@@ -55,31 +55,20 @@ def ray_session():
 
 
 def tiny_config(tmp_path, cache_dir: str, **overrides):
-    """A small, fast PromptFL federation on digits (the engine's default path)."""
-    from raysim.config import build_config
+    """A small, fast PromptFL federation on digits (the engine's default path). Overrides may use the
+    sections (`train={"rounds": 2}`) or the previous release's flat keys (`rounds=2`)."""
+    from raysim.config import build_config, merge_config
 
-    values = dict(
-        method="promptfl",
-        dataset="digits",
-        model="raysim-tiny",  # random weights: fast; tests of the bundled model live in test_offline_benchmark
-        pretrained="",
-        n_ctx=16,
-        ctx_init="",
-        num_clients=4,
-        rounds=3,
-        eval_every=1,
-        eval_last=1,
-        batch_size=16,
-        shots=8,
-        lr=0.05,
-        backend="inline",
-        progress=False,
-        tensorboard=False,
-        cache_dir=cache_dir,
-        out_dir=str(tmp_path / "run"),
-    )
-    values.update(overrides)
-    return build_config(values)
+    values = {
+        "method": "promptfl",
+        "data": {"dataset": "digits", "shots": 8},
+        "model": {"name": "raysim-tiny", "pretrained": ""},  # random weights: fast; the bundled model: test_offline_benchmark
+        "train": {"n_ctx": 16, "ctx_init": "", "num_clients": 4, "rounds": 3, "batch_size": 16, "lr": 0.05},
+        "eval": {"every": 1, "last": 1},
+        "execution": {"backend": "inline"},
+        "output": {"progress": False, "tensorboard": False, "cache_dir": cache_dir, "out_dir": str(tmp_path / "run")},
+    }
+    return build_config(merge_config(values, overrides))
 
 
 def run_on_digits(tmp_path, method, section, *, tag=None, rounds=2, clients=4):

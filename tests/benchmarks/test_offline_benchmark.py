@@ -13,7 +13,7 @@ def in_client(tmp_path, cache_dir, name, **overrides) -> float:
     values = dict(backend="inline", progress=False, tensorboard=False, cache_dir=cache_dir, out_dir=str(tmp_path / name))
     values.update(overrides)
     cfg = build_config(values)
-    assert (cfg.model, cfg.pretrained, cfg.dataset) == ("raysim-clip", "bundled", "synthetic")  # the defaults
+    assert (cfg.model.name, cfg.model.pretrained, cfg.data.dataset) == ("raysim-clip", "bundled", "synthetic")  # the defaults
     return run(cfg).summary["in_client"]
 
 

@@ -48,7 +48,7 @@ def rows(path):
 def run_dir(cfg):
     from pathlib import Path
 
-    return Path(cfg.out_dir)
+    return Path(cfg.output.out_dir)
 
 
 @pytest.mark.parametrize("backend", ["inline", "ray"])
@@ -61,11 +61,11 @@ def test_fail_stops_the_run_naming_the_client(tmp_path, cache_dir, mode, backend
     if backend == "ray":
         request.getfixturevalue("ray_session")
     cfg = config(tmp_path, cache_dir, mode, **extra)
-    assert cfg.on_client_error == "fail"  # the default
+    assert cfg.execution.on_client_error == "fail"  # the default
     with pytest.raises(ClientFailure, match=rf"client {FAILING} failed in round {ROUND}: {ERRORS[mode]}") as info:
         run(cfg)
     assert info.value.client_id == FAILING and info.value.round_idx == ROUND
-    assert "on_client_error=drop" in str(info.value) and f"resume={cfg.out_dir}" in str(info.value)
+    assert "on_client_error=drop" in str(info.value) and f"resume={cfg.output.out_dir}" in str(info.value)
     out = run_dir(cfg)
     assert [int(r["round"]) for r in rows(out / "results.csv")] == [0]  # the failed round is not written
     assert StateStore(out).completed_round() == 0
@@ -112,7 +112,7 @@ def test_drop_leaves_the_client_out_of_its_round_identically_inline_and_on_ray(t
     # private state and ledger as before the round: one round fewer trained and released
     store = StateStore(result.out_dir)
     for c in range(4):
-        saved = store.load_client(c, cfg.rounds)
+        saved = store.load_client(c, cfg.train.rounds)
         n = 2 if c == FAILING else 3
         assert int(saved["private"]["trained"]) == n, c
         assert sorted({r["round"] for r in saved["privacy"]["ledger"]["releases"]}) == ([0, 2] if c == FAILING else [0, 1, 2])
@@ -149,7 +149,7 @@ def test_a_run_stopped_under_fail_resumes_under_drop_as_a_fresh_drop_run(tmp_pat
     cfg = config(tmp_path / "cut", cache_dir, "raise")
     with pytest.raises(ClientFailure):
         run(cfg)
-    resumed = run(resume_config(cfg.out_dir, {"on_client_error": "drop"}))
+    resumed = run(resume_config(cfg.output.out_dir, {"on_client_error": "drop"}))
     fresh = run(config(tmp_path / "fresh", cache_dir, "raise", on_client_error="drop"))
     assert rows(resumed.out_dir / "results.csv") == rows(fresh.out_dir / "results.csv")
     assert rows(resumed.out_dir / "client_results.csv") == rows(fresh.out_dir / "client_results.csv")

@@ -26,7 +26,7 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_overrides_are_typed_and_nested():
     o = parse_overrides(["rounds=5", "dp.epsilon=inf", "lr=1e-3", "method=promptfl", "progress=false"])
     cfg = build_config(o)
-    assert cfg.rounds == 5 and math.isinf(cfg.dp.epsilon) and cfg.lr == 1e-3 and cfg.progress is False
+    assert cfg.train.rounds == 5 and math.isinf(cfg.dp.epsilon) and cfg.train.lr == 1e-3 and cfg.output.progress is False
     assert not cfg.dp.enabled
     assert build_config({"dp": {"epsilon": "1"}}).dp.enabled
 
@@ -35,7 +35,7 @@ def test_yaml_file_plus_overrides(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("rounds: 7\nbeta: 0.1\ndp:\n  epsilon: 2\n")
     cfg = config_from_cli(str(f), ["beta=0.3"])
-    assert (cfg.rounds, cfg.beta, cfg.dp.epsilon) == (7, 0.3, 2.0)
+    assert (cfg.train.rounds, cfg.data.beta, cfg.dp.epsilon) == (7, 0.3, 2.0)
     # the resolved config round-trips through its YAML
     from raysim.config import config_from_yaml_text
 
@@ -46,17 +46,19 @@ def test_yaml_file_plus_overrides(tmp_path):
     "overrides, message",
     [
         ({"method": "nope"}, "promptfl"),
-        ({"dataset": "imagenet"}, "digits"),
-        ({"rounds": -1}, "rounds must be >= 1"),
-        ({"participation": 1.5}, "participation must be in (0, 1]"),
-        ({"participation": 0}, "participation must be in (0, 1]"),
-        ({"beta": 0}, "beta must be a positive"),
-        ({"roundz": 3}, "Did you mean 'rounds'"),
+        ({"data": {"dataset": "imagenet"}}, "digits"),
+        ({"train": {"rounds": -1}}, "train.rounds must be >= 1"),
+        ({"train": {"participation": 1.5}}, "train.participation must be in (0, 1]"),
+        ({"train": {"participation": 0}}, "train.participation must be in (0, 1]"),
+        ({"data": {"beta": 0}}, "data.beta must be a positive"),
+        ({"roundz": 3}, "Did you mean 'train.rounds'"),
+        ({"train": {"roundz": 3}}, "Did you mean train.rounds"),
         ({"dp": {"epsilon": -1}}, "dp.epsilon"),
         ({"dp": {"epsilonn": 1}}, "dp.epsilon"),
-        ({"partition": "weird"}, "pathological"),
-        ({"rounds": "many"}, "rounds must be an integer"),
-        ({"client_gpus": 2}, "fraction"),
+        ({"data": {"partition": "weird"}}, "pathological"),
+        ({"train": {"rounds": "many"}}, "train.rounds must be an integer"),
+        ({"execution": {"client_gpus": 2}}, "fraction"),
+        ({"rounds": -1}, "train.rounds must be >= 1"),  # a flat key of the previous release, moved
     ],
 )
 def test_bad_values_name_the_fix(overrides, message):
@@ -91,11 +93,10 @@ def test_cli_refuses_to_overwrite_and_keeps_files(tmp_path):
 def test_readme_documents_every_config_key():
     import dataclasses
 
-    from raysim.config import DPConfig, RunConfig
+    from raysim.config import SECTIONS
 
     readme = (ROOT / "README.md").read_text()
-    keys = [f.name for f in dataclasses.fields(RunConfig) if f.name not in ("dp", "methods")]
-    keys += [f"dp.{f.name}" for f in dataclasses.fields(DPConfig)]
+    keys = ["method"] + [f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
     missing = [k for k in keys if f"`{k}`" not in readme]
     assert not missing, f"README config reference lacks {missing}"
 
@@ -122,17 +123,16 @@ def test_python_dash_m_raysim_is_the_console_script(tmp_path):
 
 
 def test_defaults_have_one_source_and_the_readme_table_states_them():
-    """RunConfig's training keys default to TrainConfig's (what a method built directly gets), and the
-    README's config table states each top-level default the code has."""
+    """A method receives the run's train section itself, and the README's config table states each
+    default the code has."""
     import dataclasses
     import re
 
-    from raysim.config import DPConfig, RunConfig
-    from raysim.methods.base import TrainConfig
+    from raysim.actors import make_method
+    from raysim.config import SECTIONS
 
-    run, train = RunConfig(), TrainConfig()
-    for f in dataclasses.fields(TrainConfig):
-        assert getattr(run, f.name) == getattr(train, f.name), f.name
+    cfg = build_config({})
+    assert make_method(cfg).train is cfg.train
     readme = (ROOT / "README.md").read_text()
     table = readme[readme.index("### Config reference"):readme.index("## How it works")]
     rows = {}
@@ -148,21 +148,43 @@ def test_defaults_have_one_source_and_the_readme_table_states_them():
             return str(v).lower()
         if isinstance(v, float) and math.isinf(v):
             return "inf"
-        if isinstance(v, str):
-            return v
-        return repr(v) if isinstance(v, float) else str(v)
+        return v if isinstance(v, str) else str(v)
 
     checked = 0
-    for obj, prefix in ((run, ""), (DPConfig(), "dp.")):
-        for f in dataclasses.fields(obj):
-            key, value = prefix + f.name, getattr(obj, f.name)
-            if key not in rows or isinstance(value, (dict, DPConfig)) or key in ("out_dir", "cache_dir"):
+    for name, cls in SECTIONS.items():
+        obj = getattr(cfg, name)
+        for f in dataclasses.fields(cls):
+            key, value = f"{name}.{f.name}", getattr(obj, f.name)
+            if key not in rows or key in ("output.out_dir", "output.cache_dir"):
                 continue
             cell = rows[key].strip('"')
-            want = shown(value)
             if isinstance(value, float) and not math.isinf(value):
                 assert float(cell) == pytest.approx(value), key
             else:
-                assert cell == want, (key, cell, want)
+                assert cell == shown(value), (key, cell, shown(value))
             checked += 1
     assert checked > 30
+
+
+def test_flat_keys_of_the_previous_release_still_work_with_one_message(caplog):
+    import logging
+
+    from raysim import config as config_module
+
+    config_module._WARNED.clear()
+    with caplog.at_level(logging.WARNING, logger="raysim.config"):
+        cfg = build_config({"rounds": 3, "model": "raysim-tiny", "backend": "inline", "eval_every": 2})
+        build_config({"rounds": 4})
+    assert (cfg.train.rounds, cfg.model.name, cfg.execution.backend, cfg.eval.every) == (3, "raysim-tiny", "inline", 2)
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("'rounds' is now 'train.rounds'" in m for m in said) == 1  # once per key, not per config
+    assert any("'model' is now 'model.name'" in m for m in said)
+    # an explicit section value wins over the flat one
+    assert build_config({"rounds": 3, "train": {"rounds": 5}}).train.rounds == 5
+
+
+def test_resumable_keys_are_field_metadata():
+    cfg = build_config({})
+    keys = cfg.resumable_keys()
+    assert {"execution.backend", "output.out_dir", "train.rounds", "data.data_root"} <= keys
+    assert not {"train.lr", "train.seed", "data.partition", "execution.num_threads", "dp.epsilon"} & keys

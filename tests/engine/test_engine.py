@@ -116,7 +116,7 @@ def test_dp_promptfl_spends_close_to_its_budget(tmp_path, cache_dir):
 
     cfg = tiny_config(tmp_path, cache_dir, rounds=2, participation=0.5, **{"dp": {"epsilon": 2.0}})
     out = run(cfg).out_dir
-    took_part = {c for p in schedule(cfg.seed, 2, cfg.num_clients, 0.5) for c in p}
+    took_part = {c for p in schedule(cfg.train.seed, 2, cfg.train.num_clients, 0.5) for c in p}
     rows = read_rows(out / "client_results.csv")
     final = {int(r["client"]): float(r["epsilon"]) for r in rows if r["round"] == "1"}
     for c, e in final.items():

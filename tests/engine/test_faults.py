@@ -18,11 +18,11 @@ def _rounds(cfg, kill=None):
     from raysim.store import StateStore
 
     data = prepare_data(cfg, make_method(cfg).needs(), progress=False)
-    b = RayBackend(cfg, data, cfg.out_dir, -1)
+    b = RayBackend(cfg, data, cfg.output.out_dir, -1)
     seen = []
     try:
-        for r in range(cfg.rounds):
-            reports, stats = b.train_round(r, participants(cfg.seed, r, cfg.num_clients, cfg.participation))
+        for r in range(cfg.train.rounds):
+            reports, stats = b.train_round(r, participants(cfg.train.seed, r, cfg.train.num_clients, cfg.train.participation))
             if kill:
                 kill(b, r, "trained")
             rows = b.evaluate()
@@ -32,8 +32,8 @@ def _rounds(cfg, kill=None):
             seen.append(([(x.client_id, x.loss, x.bytes_up) for x in reports], stats, rows))
     finally:
         b.shutdown()
-    store = StateStore(cfg.out_dir)
-    private = {c: store.load_client(c, cfg.rounds)["private"] for c in range(cfg.num_clients)}
+    store = StateStore(cfg.output.out_dir)
+    private = {c: store.load_client(c, cfg.train.rounds)["private"] for c in range(cfg.train.num_clients)}
     return seen, private, b.restarts
 
 

@@ -64,7 +64,7 @@ def test_bad_sweep_files_are_rejected(bad, match):
 def test_overrides_go_to_sweep_or_base():
     spec = load_sweep(SMOKE, ["name=x", "rounds=3", "dp.delta=1e-6", "--resume"])
     assert spec["name"] == "x" and spec["restore"] is True
-    assert spec["base"]["rounds"] == 3 and float(spec["base"]["dp"]["delta"]) == 1e-6
+    assert spec["base"]["train"]["rounds"] == 3 and float(spec["base"]["dp"]["delta"]) == 1e-6  # moved into its section
 
 
 def test_placement_group_bundles():

@@ -42,7 +42,7 @@ def hosts(cfg, out_dir):
     from raysim.engine import prepare_data
 
     data = prepare_data(cfg, make_method(cfg).needs(), progress=False)
-    return data, ServerHost(cfg, data.classnames, out_dir), ClientHost(cfg, data, list(range(cfg.num_clients)), out_dir)
+    return data, ServerHost(cfg, data.classnames, out_dir), ClientHost(cfg, data, list(range(cfg.train.num_clients)), out_dir)
 
 
 @pytest.mark.parametrize("name", method_names())

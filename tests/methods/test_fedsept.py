@@ -255,9 +255,9 @@ def test_engine_run_with_dp_stays_within_budget(tmp_path):
     rows = pd.read_csv(tmp_path / "r" / "results.csv")
     assert len(rows) == 2
     o = cfg.method_options()
-    per_client = o.experts * cfg.n_ctx * o.rank * 4
-    assert (rows["bytes_up"] == cfg.num_clients * per_client).all()
-    assert (rows["bytes_down"] == cfg.num_clients * per_client).all()
+    per_client = o.experts * cfg.train.n_ctx * o.rank * 4
+    assert (rows["bytes_up"] == cfg.train.num_clients * per_client).all()
+    assert (rows["bytes_down"] == cfg.train.num_clients * per_client).all()
     eps = pd.read_csv(tmp_path / "r" / "client_results.csv")["epsilon"]
     assert len(eps) > 0 and (eps > 0).all() and (eps <= 1.0 + 1e-9).all()
     assert math.isfinite(result.summary["hm"])
