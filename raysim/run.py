@@ -48,12 +48,13 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python raysim/run.py
             from raysim.errors import ConfigError
 
             raise ConfigError("--resume continues a sweep (with --sweep FILE); to continue a run pass output.resume=OUT_DIR")
-        from raysim.config import config_from_cli, parse_overrides
+        from raysim.config import config_from_cli, move_flat_keys, parse_overrides
         from raysim.engine import resume_config, run
 
-        overrides = parse_overrides(args.overrides)
-        if overrides.get("resume"):
-            cfg = resume_config(str(overrides["resume"]), overrides)
+        overrides = move_flat_keys(parse_overrides(args.overrides))
+        resume = (overrides.get("output") or {}).get("resume")
+        if resume:
+            cfg = resume_config(str(resume), overrides)
         else:
             cfg = config_from_cli(args.config, args.overrides)
         result = run(cfg)
