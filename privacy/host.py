@@ -17,13 +17,14 @@ method says *what* it releases; this module does the *how*.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Optional, Union, cast
 
 import torch
 from torch import Tensor
 
 from raysim.errors import UploadViolation
+from raysim.sampling import generator
 
 from .accountant import calibrate_multiplier
 from .dpsgd import DPSGD, NoDP
@@ -134,12 +135,6 @@ class HostPrivacy:
         return RoundPrivacy(self, cid, round_idx, num_train, shared)
 
 
-def _stream(seed: int, *parts: object) -> torch.Generator:
-    from raysim.sampling import generator
-
-    return generator(seed, *parts)
-
-
 class RoundPrivacy:
     """The privacy handle of one (round, client): what `local_train` may ask, and the host's check after."""
 
@@ -161,7 +156,7 @@ class RoundPrivacy:
             steps = host.method.dp_steps_per_round(num_train)
             self._dpsgd_release = Release("dpsgd", z, q, steps, round_idx, sampling=dp.sampling)
             host.ledger(cid).check(self._dpsgd_release)
-            self._sgd = DPSGD(sigma=z, clip=dp.clip, sample_rate=q, generator=_stream(host.seed, "dp-noise", round_idx, cid),
+            self._sgd = DPSGD(sigma=z, clip=dp.clip, sample_rate=q, generator=generator(host.seed, "dp-noise", round_idx, cid),
                               microbatch=dp.microbatch, expected_batch=q * num_train if self.poisson else None)
 
     @property
@@ -218,8 +213,8 @@ class RoundPrivacy:
         if mech is None:  # DP off: the clean class means
             return NoDP().release(name, features=features, labels=labels, num_classes=num_classes)
         z = self.host.multiplier(self.cid, self.num_train)
-        rounds = self.host.plan(self.cid, self.num_train)[2]
-        gen = _stream(self.host.seed, "dp-release", name, self.round, self.cid)
+        rounds = max(1, self.host.releases_per_client(self.cid))  # the releases it was calibrated for
+        gen = generator(self.host.seed, "dp-release", name, self.round, self.cid)
         # a prototype upload resolves to the mechanism dp.prototypes names (a registered release mechanism)
         out, extra = cast(PrototypeRelease, mech).apply(features, labels, num_classes, multiplier=z, generator=gen, rounds=rounds)
         if extra.get("pure_epsilon"):
@@ -233,7 +228,7 @@ class RoundPrivacy:
             return NoDP().release(name, value)
         assert isinstance(mech, EmbeddingRelease)  # what `resolve` gives an embedding release
         z = self.host.multiplier(self.cid, self.num_train)
-        gen = _stream(self.host.seed, "dp-release", name, self.round, self.cid)
+        gen = generator(self.host.seed, "dp-release", name, self.round, self.cid)
         self._record(Release(mech.name, z, 1.0, 1, self.round))
         return mech.apply(value.detach().float().cpu(), clip=clip, multiplier=z, generator=gen)
 
@@ -257,7 +252,7 @@ class RoundPrivacy:
             self._verify(clean, declared)
             clean = self._update_release(clean)
         if self.dpsgd:
-            done = Release(**{**self._dpsgd_release.__dict__, "steps": self._sgd.steps})
+            done = replace(self._dpsgd_release, steps=self._sgd.steps)
             self.pending.insert(0, done)
         if self.pending:
             ledger = self.host.ledger(self.cid)
@@ -304,5 +299,5 @@ class RoundPrivacy:
         self._record(Release(mech.name, z, 1.0, 1, self.round))
         base = {k: self.shared[k].detach().cpu() for k in names}
         noisy = mech.apply({k: clean[k] - base[k] for k in names}, multiplier=z,
-                           generator=_stream(self.host.seed, "dp-update", self.round, self.cid))
+                           generator=generator(self.host.seed, "dp-update", self.round, self.cid))
         return {**clean, **{k: base[k] + noisy[k] for k in names}}
