@@ -1,4 +1,4 @@
-"""The `raysim` command (also `python -m raysim`): run, sweep, privacy, pretrain."""
+"""The `raysim` command (also `python -m raysim`): run, sweep, compare, privacy, pretrain."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ USAGE = """usage: raysim COMMAND [args]
 commands:
   run [--config F] [key=value ...]     run one federation (same as python raysim/run.py)
   sweep SWEEP.yaml [key=value ...]     run a Ray Tune sweep
+  compare [SPEC.yaml] --methods a,b:k=v [--grid key=v1,v2] [--layout L] [key=value ...]
+                                       several methods on one setting: the papers' comparison tables
   privacy noise|epsilon ...            noise multiplier for a budget, or the budget of a noise level
   pretrain [--out DIR] ...             pretrain the small offline CLIP on generated image-caption data
 """
@@ -32,6 +34,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print("usage: raysim sweep SWEEP.yaml [key=value ...]", file=sys.stderr)
             return 2
         return run_main(["--sweep", rest[0], *rest[1:]], prog="raysim sweep")
+    if cmd == "compare":
+        from raysim.compare import main as compare_main
+
+        return compare_main(rest)
     if cmd == "privacy":
         from raysim.privacy.cli import main as privacy_main
 

@@ -1,0 +1,99 @@
+"""`raysim compare`: entries, grids, the paper layouts' marks, resumability, refusals."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+
+from raysim.compare import CompareSpec, Entry, Table, fedtsp_round_metrics, parse_entry, parse_grid
+
+TINY = ["data.dataset=digits", "data.shots=8", "model.name=raysim-tiny", "model.pretrained=", "train.num_clients=3",
+        "train.n_ctx=4", "execution.backend=inline", "output.tensorboard=false"]
+
+
+def test_entries_split_section_options_from_dotted_keys():
+    e = parse_entry("fedsept:rank=8;train.lr=0.002;variant=wo_r")
+    assert e.method == "fedsept" and e.label == "fedsept:rank=8;train.lr=0.002;variant=wo_r"
+    assert e.overrides == {"fedsept": {"rank": 8, "variant": "wo_r"}, "train": {"lr": 0.002}}
+    assert parse_entry("promptfl").overrides == {}
+    assert parse_grid(["data.beta=0.1,0.5"]) == {"data.beta": [0.1, 0.5]}
+    spec = CompareSpec(methods=[Entry("a", "a")], grid={"x": [1, 2], "y": ["u", "v"]})
+    assert spec.cells() == [{"x": 1, "y": "u"}, {"x": 1, "y": "v"}, {"x": 2, "y": "u"}, {"x": 2, "y": "v"}]
+
+
+def test_marks_follow_the_papers():
+    t = Table(["A", "B"], ["m1", "m2", "m3", "m4"], [[0.5, 0.1], [0.7, 0.3], [0.6, math.nan], [0.4, 0.2]], marks="rank3")
+    assert t.ranks() == [[3, 3], [1, 1], [2, 0], [0, 2]]  # nan is never ranked
+    md = t.markdown()
+    assert "**70.00**" in md and "<u>60.00</u>" in md and "*50.00*" in md and "–" in md
+    # pairs: the better of the rows sharing a method; STD is better when lower
+    p = Table(["AVG", "STD"], ["x:igpp", "x:vpdr", "y:igpp", "y:vpdr"], [[0.5, 0.1], [0.6, 0.2], [0.8, 0.05], [0.7, 0.01]],
+              marks="pairs", higher_better=[True, False], groups=["x", "x", "y", "y"])
+    assert p.ranks() == [[0, 1], [1, 0], [1, 0], [0, 1]]
+
+
+def test_fedtsp_metrics_are_sample_weighted(tmp_path):
+    path = tmp_path / "client_results.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, ["round", "client", "in_client", "cross_client", "n_in", "n_cross"])
+        w.writeheader()
+        w.writerow({"round": 0, "client": 0, "in_client": 0.5, "cross_client": 0.25, "n_in": 10, "n_cross": 30})
+        w.writerow({"round": 0, "client": 1, "in_client": 1.0, "cross_client": 0.0, "n_in": 30, "n_cross": 10})
+    m = fedtsp_round_metrics(path)[0]
+    assert m["local"] == pytest.approx((5 + 30) / 40)  # 35 of 40 own test samples, not the mean 0.75
+    assert m["global"] == pytest.approx(((5 + 7.5) / 40 + 30 / 40) / 2)
+
+
+def test_compare_writes_the_table_resumes_and_refuses_changed_settings(tmp_path, capsys):
+    from raysim.compare import main
+
+    out = tmp_path / "cmp"
+    args = ["--methods", "zeroshot,promptfl", "--grid", "train.lr=0.05,0.002", "--rounds", "1", "--out", str(out), *TINY]
+    assert main(args) == 0
+    text = (out / "table.md").read_text()
+    assert "lr=0.05 HM" in text and "lr=0.002 In-Client" in text and "**" in text
+    assert (out / "table.png").stat().st_size > 0
+    rows = list(csv.reader(open(out / "table.csv")))
+    assert [r[0] for r in rows[1:]] == ["zeroshot", "promptfl"] and len(rows[0]) == 1 + 2 * 3
+    capsys.readouterr()
+    # the same command again reads every run back and gives the same table
+    assert main(args) == 0
+    assert capsys.readouterr().err.count("done earlier") == 4
+    assert list(csv.reader(open(out / "table.csv"))) == rows
+    # a different setting with the same --out is refused, nothing is overwritten
+    assert main([*args, "dp.epsilon=1"]) == 2
+    assert list(csv.reader(open(out / "table.csv"))) == rows
+
+
+def test_a_bad_entry_is_refused_before_anything_runs(tmp_path):
+    from raysim.compare import main
+
+    out = tmp_path / "cmp"
+    assert main(["--methods", "promptfl,no_such_method", "--rounds", "1", "--out", str(out), *TINY]) == 2
+    assert not out.exists()
+    assert main(["--methods", "promptfl", "--layout", "nope", "--out", str(out), *TINY]) == 2
+    assert not out.exists()
+
+
+def test_vpdr_layout_per_domain_avg_std(tmp_path):
+    from raysim.compare import RunRecord, VPDRLayout
+
+    recs = []
+    for label, accs in (("fedproto:privacy=igpp", [0.5, 0.7, 0.9, 0.3]), ("fedproto:privacy=vpdr", [0.6, 0.7, 0.8, 0.5])):
+        d = tmp_path / label.replace(":", "-")
+        d.mkdir()
+        with open(d / "client_results.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, ["round", "client", "domain", "in_client"])
+            w.writeheader()
+            for c, a in enumerate(accs):
+                w.writerow({"round": 0, "client": c, "domain": "", "in_client": 0.0})  # an earlier round: ignored
+                w.writerow({"round": 1, "client": c, "domain": ["mnist", "svhn"][c % 2], "in_client": a})
+        recs.append(RunRecord(Entry(label, "fedproto"), {}, d, 0.0))
+    spec = CompareSpec(methods=[r.entry for r in recs], layout="vpdr")
+    t = VPDRLayout().table(recs, spec)
+    assert t.header == ["mnist", "svhn", "AVG", "STD"]
+    assert t.values[0][:3] == pytest.approx([0.7, 0.5, 0.6])
+    assert t.values[0][3] == pytest.approx(math.sqrt((0.01 + 0.01 + 0.09 + 0.09) / 4))  # population std over clients
+    assert t.ranks() == [[1, 0, 0, 0], [1, 1, 1, 1]]  # equal mnist: both marked; vpdr: better svhn and AVG, lower STD
