@@ -120,7 +120,9 @@ def spec_from_args(argv: Sequence[str]) -> tuple[CompareSpec, argparse.Namespace
     p.add_argument("--rounds", type=int, default=0, help="rounds of every run (default: the spec's or the config's)")
     p.add_argument("--out", default="", help="folder of the runs and tables (default runs/compare-<time>)")
     p.add_argument("--title", default="")
-    p.add_argument("overrides", nargs="*", metavar="[SPEC.yaml] key=value", help="a comparison spec (YAML), then config key=value applied to every run (dp.epsilon=1 data.dataset=digits)")
+    p.add_argument("--dry-run", action="store_true", help="validate every run's config and list the runs; run nothing, write nothing")
+    p.add_argument("overrides", nargs="*", metavar="[SPEC.yaml] key=value",
+                   help="a comparison spec (YAML), then config key=value applied to every run (dp.epsilon=1 data.dataset=digits)")
     a = p.parse_intermixed_args(list(argv))
     specs = [w for w in a.overrides if "=" not in w]
     if len(specs) > 1 or (specs and not specs[0].endswith((".yaml", ".yml"))):
@@ -207,14 +209,13 @@ def earlier_run(folder: Path, cfg: Any) -> str:
     return "finished" if done >= cfg.train.rounds and (folder / "summary.md").is_file() else "partial"
 
 
-def execute(spec: CompareSpec, out: Path, *, log: Callable[[str], None]) -> list[RunRecord]:
-    """Run every (cell, entry) not finished yet in out/, in order; resume interrupted ones."""
+def plan(spec: CompareSpec, out: Path) -> list[tuple[dict[str, Any], Entry, Path, Any]]:
+    """(cell, entry, run folder, validated config) of every run, in order: a typo in the last entry
+    fails before the first run starts."""
     from raysim.config import build_config
-    from raysim.engine import run
 
     cells = spec.cells()
     todo = [(cell, entry) for cell in cells for entry in spec.methods]
-    # every config is built (validated) before anything runs: a typo in the last entry fails at once
     configs: list[tuple[dict[str, Any], Entry, Path, Any]] = []
     for cell, entry in todo:
         folder = out / (slug(cell_label(cell)) if cell else "") / slug(entry.label)
@@ -224,6 +225,14 @@ def execute(spec: CompareSpec, out: Path, *, log: Callable[[str], None]) -> list
         except ConfigError as e:
             where = f" ({cell_label(cell)})" if cell else ""
             raise ConfigError(f"compare entry {entry.label!r}{where}: {e}") from None
+    return configs
+
+
+def execute(spec: CompareSpec, out: Path, *, log: Callable[[str], None]) -> list[RunRecord]:
+    """Run every (cell, entry) not finished yet in out/, in order; resume interrupted ones."""
+    from raysim.engine import run
+
+    configs = plan(spec, out)
     records = []
     t_all = time.perf_counter()
     for i, (cell, entry, folder, cfg) in enumerate(configs, 1):
@@ -562,6 +571,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         spec, args = spec_from_args(list(sys.argv[1:] if argv is None else argv))
         out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
+        if args.dry_run:
+            runs = plan(spec, out)
+            for cell, entry, folder, cfg in runs:
+                print(f"{entry.label}{f' [{cell_label(cell)}]' if cell else ''}: {cfg.method}, {cfg.train.rounds} rounds -> {folder}")
+            print(f"{len(runs)} runs, layout {spec.layout}", file=sys.stderr)
+            return 0
         records = execute(spec, out, log=lambda s: print(s, file=sys.stderr, flush=True))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
