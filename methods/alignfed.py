@@ -9,7 +9,8 @@ Server   Once, at init: C anchors a_c on the unit sphere of R^d, maximally separ
          (no client data enters them). Each round the server averages the uploaded heads.
 Client   Its own zoo extractor f (private) and the shared head h = Linear(d, C), loaded from the broadcast
          each round; plain SGD at the client lr on
-             L = CE(h(f(x)), y) + lambda_t * mean(1 - cos(f(x), a_y))
+             L = CE(h(f(x)), y) + lambda_t * CE(cos(f(x), a_c) / tau over c, y)
+         (f(x) nearer its own anchor than any other; `align=cos` uses mean(1 - cos(f(x), a_y)) instead),
          with lambda_t annealed linearly from `lam` (round 0) to `lam_final` (the last round).
          Uploads its trained head.
 Eval     f with the current global head.
@@ -22,8 +23,13 @@ Decisions (no official code was found; SPEC 2.9 gives only "lambda 20, final lam
   different extractors become interchangeable. Nothing prototype-like is uploaded, so no
   release_prototypes is needed (the anchors are fixed, the server has no use for client class means).
 - "final lambda" is read as the end point of a linear schedule over the rounds (20 -> 2).
-- the alignment is cosine (1 - cos), which touches only the direction of f(x): the anchors live on the
-  sphere while the zoo's features are unnormalised.
+- the alignment compares directions only (the anchors live on the sphere, the zoo's features are
+  unnormalised), and by default asks that f(x) be nearer its own anchor than the others (CE over the
+  cosines, tau = 0.1) rather than on it: the zoo's features are non-negative (ReLU, then average
+  pooling) and, for extractors narrower than d, repeated to d, so they cannot reach a signed anchor.
+  Measured on digits (alignfed.model_family=tiny, 3 clients, Dirichlet 0.5, 3 rounds, inline):
+  round-3 in_client 0.72 with tau = 0.1, 0.65 with tau = 0.5, 0.54 with align=cos (1 - cos stays ~0.88);
+  tau = 0.01 with lambda 20 diverges.
 """
 
 from __future__ import annotations
@@ -52,11 +58,15 @@ class Options:
     client_lr: float = 0.0  # plain-SGD client lr; 0 = the run's lr
     shuffle: bool = False  # False = fixed data order (the official loaders)
     weighting: str = "samples"  # head average: samples (n_k / n) | uniform
+    align: str = "ce"  # ce: CE over cos(f, a_c) / tau | cos: 1 - cos(f, a_y)
+    tau: float = 0.1  # temperature of align=ce
 
     def validate(self) -> None:
         validate_common(self, "alignfed")
         if self.lam_final < 0:
             raise ConfigError("alignfed.lam_final must be >= 0")
+        if self.align not in ("ce", "cos") or not self.tau > 0:
+            raise ConfigError(f"alignfed.align must be ce or cos and alignfed.tau > 0, got {self.align!r}, {self.tau}")
         if self.weighting not in ("samples", "uniform"):
             raise ConfigError(f"alignfed.weighting must be samples or uniform, got {self.weighting!r}")
 
@@ -75,9 +85,13 @@ def simplex_etf(num_classes: int, dim: int, generator: torch.Generator) -> Tenso
     return m.T.contiguous().float()
 
 
-def align_loss(feats: Tensor, y: Tensor, anchors: Tensor) -> Tensor:
-    """mean over the batch of 1 - cos(f(x), a_y)."""
-    return (1.0 - F.cosine_similarity(feats, anchors[y], dim=1)).mean()
+def align_loss(feats: Tensor, y: Tensor, anchors: Tensor, kind: str = "ce", tau: float = 0.1) -> Tensor:
+    """"ce": CE over classes of cos(f(x), a_c) / tau (f(x) nearer its own anchor than the others');
+    "cos": mean over the batch of 1 - cos(f(x), a_y) (f(x) on its anchor)."""
+    if kind == "cos":
+        return (1.0 - F.cosine_similarity(feats, anchors[y], dim=1)).mean()
+    cos = F.normalize(feats, dim=1) @ F.normalize(anchors, dim=1).T
+    return F.cross_entropy(cos / tau, y)
 
 
 @register_method
@@ -114,7 +128,7 @@ class AlignFed(HeteroMethod):
         aligns: list[float] = []
 
         def extra(feats, y):
-            a = align_loss(feats, y, anchors)
+            a = align_loss(feats, y, anchors, self.opts.align, self.opts.tau)
             aligns.append(float(a.detach()))
             return lam * a
 

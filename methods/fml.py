@@ -59,9 +59,10 @@ def kl_to(logits: Tensor, target_logits: Tensor, *, detach: bool = True, reducti
 
 def mutual_losses(z_local: Tensor, z_meme: Tensor, y: Tensor, alpha: float, beta: float, *, htfllib: bool = False) -> dict[str, Tensor]:
     """The two deep-mutual-learning objectives and their parts."""
-    kw = {"detach": not htfllib, "reduction": "mean" if htfllib else "batchmean"}
+    detach, reduction = not htfllib, "mean" if htfllib else "batchmean"
     ce, ce_meme = F.cross_entropy(z_local, y), F.cross_entropy(z_meme, y)
-    kl, kl_meme = kl_to(z_local, z_meme, **kw), kl_to(z_meme, z_local, **kw)
+    kl = kl_to(z_local, z_meme, detach=detach, reduction=reduction)
+    kl_meme = kl_to(z_meme, z_local, detach=detach, reduction=reduction)
     return {
         "local": alpha * ce + (1 - alpha) * kl,
         "meme": beta * ce_meme + (1 - beta) * kl_meme,

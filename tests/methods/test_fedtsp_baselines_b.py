@@ -81,8 +81,13 @@ def test_alignfed_alignment_loss_and_lambda_schedule():
 
     anchors = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
     feats = torch.tensor([[2.0, 0.0], [0.0, 3.0], [0.0, 1.0]])  # on its anchor (any length), on it, orthogonal
+    y = torch.tensor([0, 1, 0])
     # 1 - cos per row: 0, 0, 1 -> mean 1/3
-    assert align_loss(feats, torch.tensor([0, 1, 0]), anchors).item() == pytest.approx(1 / 3, abs=1e-6)
+    assert align_loss(feats, y, anchors, "cos").item() == pytest.approx(1 / 3, abs=1e-6)
+    # CE over cos / tau (tau = 1): rows 1, 2 have cosines (1, 0) to (own, other): -log(e / (e + 1)) each;
+    # row 3 has (0, 1): -log(1 / (1 + e))
+    want = (2 * math.log(1 + math.exp(-1)) + math.log(1 + math.e)) / 3
+    assert align_loss(feats, y, anchors, "ce", 1.0).item() == pytest.approx(want, abs=1e-6)
     m = _method("alignfed", rounds=10)
     assert [m.lam(t) for t in (0, 9)] == [pytest.approx(20.0), pytest.approx(2.0)]
     assert m.lam(3) == pytest.approx(20.0 - 18.0 * 3 / 9)  # linear in between
@@ -96,14 +101,14 @@ def test_alignfed_alignment_loss_and_lambda_schedule():
 
 
 def test_alignfed_training_pulls_features_onto_their_anchors():
-    m = _method("alignfed", client_lr=0.05)
+    m = _method("alignfed")
     _, shared = _shared(m)
     up, res, env, _ = _round(m, shared)
     assert set(up) == {"head_weight", "head_bias"} and up["head_weight"].shape == (C, 16)
     assert res.metrics["lam"] == pytest.approx(20.0)
     private = res.private
     data = _data(0)
-    for _ in range(3):
+    for _ in range(1):
         _, res, _, _ = _round(m, shared, private=private)
         private = res.private
     model = m.model(env, private).eval()
