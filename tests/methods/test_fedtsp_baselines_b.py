@@ -283,7 +283,6 @@ def test_only_declared_tensors_leave_and_client_level_dp_noises_them(name):
     up, res, _, _ = _round(m, shared)
     assert set(up) == set(m.releases) and all(up[k].shape == shared[k].shape for k in up)  # updates of broadcast tensors
     # anything else is refused by the host (fail closed)
-    env = m.build_env(SPEC, role="client")
     host = HostPrivacy(dp=DPConfig(), method=m, seed=1, batch_size=8, releases_per_client=lambda c: 4)
     with pytest.raises(UploadViolation, match="does not declare"):
         host.open(0, 0, 24, shared).close({**up, "model": torch.zeros(3)})
@@ -296,7 +295,6 @@ def test_only_declared_tensors_leave_and_client_level_dp_noises_them(name):
 
     with pytest.raises(ConfigError, match="dp.level=client"):
         build_config({"method": name, "dp": {"epsilon": 4.0, "level": "sample"}, name: {"model_family": "tiny"}})
-    del env
 
 
 # ------------------------------------------------------------------------------------ end to end on Ray
