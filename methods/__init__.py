@@ -1,12 +1,16 @@
 """Federated methods, one module each; every module registers its class on import."""
 
 from raysim.methods import (
+    alignfed,  # noqa: F401,E402
     fedavg,  # noqa: F401,E402
+    fedkd,  # noqa: F401,E402
+    fedmrl,  # noqa: F401,E402
     fedproto,  # noqa: F401,E402
     fedsept,  # noqa: F401,E402
     fedtgp,  # noqa: F401,E402
     fedtsp,  # noqa: F401,E402
     fedtsp_homo,  # noqa: F401,E402
+    fml,  # noqa: F401,E402
     local,  # noqa: F401,E402
     promptfl,  # noqa: F401,E402
     zeroshot,  # noqa: F401,E402

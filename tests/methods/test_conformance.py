@@ -20,6 +20,10 @@ FAST = {
     "local": {"model_family": "tiny"},
     "fedavg": {"model": "cnn_tiny"},
     "fedsept": {"rank": 4},
+    "fml": {"model_family": "tiny"},
+    "fedkd": {"model_family": "tiny"},
+    "fedmrl": {"model_family": "tiny"},
+    "alignfed": {"model_family": "tiny"},
 }
 
 
