@@ -2,11 +2,15 @@
 
 from raysim.methods import (
     fedavg,  # noqa: F401,E402
+    feddistill,  # noqa: F401,E402
+    fedgen,  # noqa: F401,E402
+    fedgh,  # noqa: F401,E402
     fedproto,  # noqa: F401,E402
     fedsept,  # noqa: F401,E402
     fedtgp,  # noqa: F401,E402
     fedtsp,  # noqa: F401,E402
     fedtsp_homo,  # noqa: F401,E402
+    lgfedavg,  # noqa: F401,E402
     local,  # noqa: F401,E402
     promptfl,  # noqa: F401,E402
     zeroshot,  # noqa: F401,E402

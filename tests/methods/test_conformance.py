@@ -20,6 +20,10 @@ FAST = {
     "local": {"model_family": "tiny"},
     "fedavg": {"model": "cnn_tiny"},
     "fedsept": {"rank": 4},
+    "lgfedavg": {"model_family": "tiny"},
+    "fedgen": {"model_family": "tiny", "server_epochs": 2, "hidden_dim": 32},
+    "fedgh": {"model_family": "tiny", "server_epochs": 2},
+    "feddistill": {"model_family": "tiny"},
 }
 
 
