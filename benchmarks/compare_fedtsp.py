@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--len-prompt", type=int, default=1)
     p.add_argument("--prompt-epochs", type=int, default=1)
     p.add_argument("--tgp-server-epochs", type=int, default=100)
+    p.add_argument("--proto-protocol", default="htfllib",
+                   help="FedProto/FedTGP: htfllib (nearest global prototype, FedProto uniform server mean: the protocol "
+                        "behind fedtsp.txt's tables) or head (each client's head, the methods' default)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--backend", default="inline")
     p.add_argument("--device", default="auto")
@@ -114,8 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     sections = {
         "fedtsp": {"plm": a.plm, "model_family": a.family, "lam": a.lam, "len_prompt": a.len_prompt,
                    "prompt_epochs": a.prompt_epochs},
-        "fedproto": {"model_family": a.family, "feature_dim": 512},
-        "fedtgp": {"model_family": a.family, "feature_dim": 512, "server_epochs": a.tgp_server_epochs},
+        "fedproto": {"model_family": a.family, "feature_dim": 512, "protocol": a.proto_protocol,
+                     **({"proto_weighting": "uniform"} if a.proto_protocol == "htfllib" else {})},
+        "fedtgp": {"model_family": a.family, "feature_dim": 512, "server_epochs": a.tgp_server_epochs,
+                   "protocol": a.proto_protocol},
+        **{m: {"model_family": a.family, "feature_dim": 512} for m in ("lgfedavg", "fedgen", "fedgh", "feddistill")},
         "local": {"model_family": a.family, "feature_dim": 512},
         "fedavg": {"model": a.homo_model, "feature_dim": 512},
         "fedtsp_gfl": {"plm": a.plm, "model": a.homo_model, "lam": a.lam, "len_prompt": a.len_prompt,
