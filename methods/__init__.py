@@ -3,6 +3,9 @@
 from raysim.methods import (
     alignfed,  # noqa: F401,E402
     fedavg,  # noqa: F401,E402
+    feddistill,  # noqa: F401,E402
+    fedgen,  # noqa: F401,E402
+    fedgh,  # noqa: F401,E402
     fedkd,  # noqa: F401,E402
     fedmrl,  # noqa: F401,E402
     fedproto,  # noqa: F401,E402
@@ -11,6 +14,7 @@ from raysim.methods import (
     fedtsp,  # noqa: F401,E402
     fedtsp_homo,  # noqa: F401,E402
     fml,  # noqa: F401,E402
+    lgfedavg,  # noqa: F401,E402
     local,  # noqa: F401,E402
     promptfl,  # noqa: F401,E402
     zeroshot,  # noqa: F401,E402

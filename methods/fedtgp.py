@@ -7,6 +7,8 @@ Server   Keeps a prototype generator G: class embedding (C x d) -> Linear(d, h) 
          `server_epochs` epochs of SGD over the uploaded (client, class) prototypes p with label y, in
          mini-batches of the run's batch size, of CE over classes c' of -(||p - G(c')|| + margin [c' = y]).
          G(c) for every class is broadcast as P_g.
+protocol=htfllib: clients predict by the nearest G(c) over every class (HtFLlib's clienttgp; its server
+exports G(c) for all classes once trained), the class means are taken after training as by default.
 """
 
 from __future__ import annotations
@@ -69,6 +71,12 @@ class FedTGP(FedProto):
     Options = Options
     server_only = ("gen",)  # the generator trains and stays on the server; clients get its prototypes
     server_metrics = ("loss",)
+    htfllib_collects_during_training = False  # clienttgp.py collects its class means after training
+
+    def prediction_classes(self, shared):
+        """protocol=htfllib: every class's G(c), once the server has trained G (HtFLlib)."""
+        trained = bool((shared["has"] > 0.5).any())
+        return torch.full_like(shared["has"], float(trained)) > 0.5
 
     def _generator(self, env, shared=None, rng=None) -> PrototypeGenerator:
         with torch.random.fork_rng(devices=[]):

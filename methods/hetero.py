@@ -107,9 +107,12 @@ class HeteroMethod(Method):
         rng: torch.Generator,
         extra_loss: Optional[Callable[[Tensor, Tensor], Tensor]] = None,
         privacy: Any = None,
+        on_batch: Optional[Callable[[Tensor, Tensor, Tensor], None]] = None,
     ) -> float:
         """E local epochs of CE(h(f(x)), y) + extra_loss(f(x), y); plain SGD at the client lr, fresh each
-        round; drop_last batches, in the data's order (the official loaders) or shuffled (`shuffle`)."""
+        round; drop_last batches, in the data's order (the official loaders) or shuffled (`shuffle`).
+        `on_batch(idx, f(x), logits)` (detached, before the step) sees what the batch's forward pass gave,
+        for methods that collect their upload during training (HtFLlib's FedProto and FedDistill)."""
         model.train()
         opt = torch.optim.SGD(model.parameters(), lr=self.client_lr)
         n, bs = data.num_train, self.train.batch_size
@@ -120,6 +123,8 @@ class HeteroMethod(Method):
                     continue
                 x, y = data.x_train[idx].to(env.device), data.y_train[idx].to(env.device)
                 feats, logits = model(x)
+                if on_batch is not None:
+                    on_batch(idx, feats.detach(), logits.detach())
                 loss = F.cross_entropy(logits, y)
                 if extra_loss is not None:
                     loss = loss + extra_loss(feats, y)
@@ -147,6 +152,38 @@ class HeteroMethod(Method):
         """Logits of the client's own head (the cache holds one module per client, so it is not shared)."""
         model = self.model(env, private).eval()
         return lambda x: model(x.to(env.device))[1]
+
+
+class PerExampleMeans:
+    """Each training example's mean of a per-example vector (its feature or its logits) over the batches
+    that visited it during local training. `rows(labels)` gives one row per visited example, so a
+    prototype release of them sees one row per example (the n_c its sensitivity 2R/n_c counts); their
+    class means equal the class means of all rows collected (HtFLlib's agg_func) whenever every visited
+    example was visited equally often (the fixed data order: the same drop_last batches each epoch)."""
+
+    def __init__(self, n: int, width: int) -> None:
+        self.sums = torch.zeros(n, width)
+        self.hits = torch.zeros(n)
+
+    def add(self, idx: Tensor, rows: Tensor) -> None:
+        idx = idx.cpu().long()
+        self.sums.index_add_(0, idx, rows.detach().float().cpu())
+        self.hits.index_add_(0, idx, torch.ones(len(idx)))
+
+    def rows(self, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """(means (m, width), labels (m,)) of the m examples visited at least once."""
+        seen = self.hits > 0
+        return self.sums[seen] / self.hits[seen, None], labels.cpu()[seen]
+
+
+def release_class_means(privacy: Any, name: str, means: PerExampleMeans, labels: Tensor, num_classes: int) -> dict[str, Tensor]:
+    """{name: the prototype release of the per-example means, counts: the examples behind each class mean}.
+    The counts are those of the visited examples: which positions drop_last leaves out is fixed by n and
+    B (or by the rng), so under the release's relation (replace an example by one of its class) they are
+    as public as the class counts."""
+    rows, y = means.rows(labels)
+    return {name: privacy.release(name, features=rows, labels=y, num_classes=num_classes),
+            "counts": torch.bincount(y, minlength=num_classes).float()}
 
 
 def _snapshot(model: torch.nn.Module) -> dict[str, Tensor]:

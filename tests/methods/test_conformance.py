@@ -24,6 +24,10 @@ FAST = {
     "fedkd": {"model_family": "tiny"},
     "fedmrl": {"model_family": "tiny"},
     "alignfed": {"model_family": "tiny"},
+    "lgfedavg": {"model_family": "tiny"},
+    "fedgen": {"model_family": "tiny", "server_epochs": 2, "hidden_dim": 32},
+    "fedgh": {"model_family": "tiny", "server_epochs": 2},
+    "feddistill": {"model_family": "tiny"},
 }
 
 
