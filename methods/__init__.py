@@ -2,6 +2,9 @@
 
 from raysim.methods import (
     fedavg,  # noqa: F401,E402
+    fedotp,  # noqa: F401,E402
+    fedpgp,  # noqa: F401,E402
+    fedpha,  # noqa: F401,E402
     fedproto,  # noqa: F401,E402
     fedsept,  # noqa: F401,E402
     fedtgp,  # noqa: F401,E402
