@@ -56,6 +56,8 @@ def sinkhorn(K: Tensor, a: Tensor, b: Tensor, *, max_iter: int = 100, thresh: fl
     """Entropic OT plans diag(r) K diag(c), batched over the leading dims: K (..., M, N) = exp(-cost/eps),
     a (..., M) and b (..., N) the marginals. Alternates r = a / (K c) and c = b / (K^T r) from ones, and stops
     after `max_iter` rounds or when mean |r - r_prev| < thresh. Columns then match b exactly, rows approximately."""
+    if K.numel() == 0:  # an empty (Poisson) batch
+        return K.clone()
     r = torch.ones_like(a)
     c = torch.ones_like(b)
     for _ in range(max_iter):

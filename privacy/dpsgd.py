@@ -4,7 +4,7 @@ Per-example gradients come from batched vector-Jacobian products on the per-exam
 (one-hot rows as grad_outputs, `is_grads_batched=True`), `microbatch` rows at a time. They are
 clipped jointly over all privatised tensors, summed, noised with N(0, sigma^2 clip^2) and divided by
 the actual batch size; the result overwrites `.grad`. The other trainable tensors get the plain
-gradient of the mean loss.
+gradient of the mean loss (plus `public_loss`, a data-independent term, when given).
 """
 
 from __future__ import annotations
