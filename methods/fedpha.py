@@ -80,6 +80,7 @@ class FedPHA(ClipPromptMethod):
         super().__init__(train, options, dp)
         self._prompts: dict[int, Any] = {}  # placeholders -> CoOpPrompts of self._env
         self._env: Any = None
+        self._lmax: int | None = None
 
     # -- prompt lengths and encodings -------------------------------------------------------
     def local_length(self, client_id: int) -> int:
@@ -92,7 +93,9 @@ class FedPHA(ClipPromptMethod):
 
     def quirk_length(self) -> int:
         """Lmax = max(L, max_k l_k): the placeholders every prompt is tokenised with in the official code."""
-        return max([self.train.n_ctx] + [self.local_length(k) for k in range(self.train.num_clients)])
+        if self._lmax is None:
+            self._lmax = max([self.train.n_ctx] + [self.local_length(k) for k in range(self.train.num_clients)])
+        return self._lmax
 
     def prompts(self, env, length: int):
         """CoOp prompts with `length` placeholders (built once per host and length)."""
