@@ -8,6 +8,9 @@ from raysim.methods import (
     fedgh,  # noqa: F401,E402
     fedkd,  # noqa: F401,E402
     fedmrl,  # noqa: F401,E402
+    fedotp,  # noqa: F401,E402
+    fedpgp,  # noqa: F401,E402
+    fedpha,  # noqa: F401,E402
     fedproto,  # noqa: F401,E402
     fedsept,  # noqa: F401,E402
     fedtgp,  # noqa: F401,E402

@@ -142,7 +142,7 @@ class PrivacyHandle(Protocol):
                  public_loss: Optional[Tensor] = None) -> None:
         """Set `.grad` of `dp_params` ({upload name: tensor}) to the clipped, noised per-example mean
         (DP-SGD) plus the plain gradient of `public_loss` (a data-independent term), and of
-        `other_params` to the plain gradient of the mean loss; records one DP-SGD step."""
+        `other_params` to the plain gradient of the mean loss plus `public_loss`; records one DP-SGD step."""
         ...
 
     def release(self, name: str, value: Any = None, *, features: Optional[Tensor] = None, labels: Optional[Tensor] = None,

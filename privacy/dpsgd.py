@@ -4,7 +4,7 @@ Per-example gradients come from batched vector-Jacobian products on the per-exam
 (one-hot rows as grad_outputs, `is_grads_batched=True`), `microbatch` rows at a time. They are
 clipped jointly over all privatised tensors, summed, noised with N(0, sigma^2 clip^2) and divided by
 the actual batch size; the result overwrites `.grad`. The other trainable tensors get the plain
-gradient of the mean loss.
+gradient of the mean loss (plus `public_loss`, a data-independent term, when given).
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ class DPSGD(_Standalone):
     Opacus does), so the step does not depend on the realised batch size; None divides by the actual
     batch size (fixed-size shuffled batches, the papers' code). `public_loss` is a data-independent term
     (a function of tensors that are already public): its plain gradient is added after clipping and
-    noising, at no privacy cost."""
+    noising, at no privacy cost; `other_params` get the plain gradient of mean(loss) + public_loss."""
 
     enabled = True
 
@@ -196,8 +196,8 @@ class DPSGD(_Standalone):
                 if public_grads is not None and public_grads[j] is not None:
                     total = total + public_grads[j].detach()
                 p.grad = total.detach().to(p.dtype)
-        if b > 0:
-            _plain_grads(per_sample_loss.mean(), other_params)
+        if b > 0:  # the other tensors get the plain gradient of the whole loss, as under NoDP
+            _plain_grads(per_sample_loss.mean() if public_loss is None else per_sample_loss.mean() + public_loss, other_params)
         self.trained.update(named)
         self.names_each_step.append(frozenset(named))
         self.steps += 1

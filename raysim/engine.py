@@ -87,8 +87,9 @@ def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationDat
             if ttr.shape[1] < 2:
                 raise ConfigError(
                     f"{cfg.model.name}'s image tower yields {ttr.shape[1]} token per image at {size} px (a 1x1 feature map), "
-                    "so a router attending over tokens would ignore its probe query; use a ViT image tower "
-                    "(e.g. model=raysim-tiny, or a ViT checkpoint from `raysim pretrain --vision vit`) or fedsept.router=pooled"
+                    "so attending over (or transporting between) tokens degenerates to the pooled feature; use a ViT image tower "
+                    "(e.g. model=raysim-tiny, or a ViT checkpoint from `raysim pretrain --vision vit`) or the method's pooled "
+                    "mode (fedsept.router=pooled, fedotp.tokens=pooled)"
                 )
     else:
         xtr, xte = materialize_images(bundle.train.images), materialize_images(bundle.test.images)

@@ -215,6 +215,50 @@ def image_tokens(visual: OpenClipModule) -> Iterator[list[Tensor]]:
         handle.remove()
 
 
+POOLED_HINT = "use a ViT image tower, or the method's pooled mode, e.g. fedotp.tokens=pooled"
+
+
+class TokenHead(nn.Module):
+    """Maps the cached token sequence of an image tower (`image_tokens`: (B, K, width)) into the joint
+    embedding space one token at a time, the way the tower maps its pooled token (FedOTP's local image
+    features, SPEC 1.11):
+
+    - open_clip ViT: the patch tokens (the CLS token dropped, as the tower's own pooling does), `ln_post`,
+      then `proj` (196 tokens of width 512 for ViT-B/16 at 224 px);
+    - timm CNN trunk with average pooling: the tower's head (dropout, then its linear or MLP projection)
+      on every location of the last feature map. For a linear head the mean of these is the unnormalised
+      pooled feature.
+    Outputs are not normalised."""
+
+    def __init__(self, visual: OpenClipModule) -> None:
+        super().__init__()
+        if hasattr(visual, "transformer") and hasattr(visual, "ln_post"):
+            if getattr(visual, "attn_pool", None) is not None:
+                raise ConfigError("this ViT pools with attention; raysim maps its tokens only for CLS or average pooling "
+                                  f"({POOLED_HINT})")
+            self.kind = "vit"
+            self.drop_first = getattr(visual, "pool_type", "tok") in ("tok", "avg")  # open_clip's _global_pool
+            self.head: nn.Module = visual.ln_post  # then proj
+            self.proj: Tensor | None = visual.proj
+        elif getattr(visual, "trunk", None) is not None and isinstance(getattr(visual, "head", None), nn.Sequential):
+            pool = getattr(visual.trunk, "global_pool", None)
+            if getattr(pool, "pool_type", "") != "avg" or "pool" in dict(visual.head.named_children()):
+                raise ConfigError(f"this timm image tower does not average-pool its last feature map, so raysim cannot map its tokens "
+                                  f"({POOLED_HINT})")
+            self.kind = "timm"
+            self.drop_first = False
+            self.head = visual.head if len(visual.head) else visual.trunk.get_classifier()
+            self.proj = None
+        else:
+            raise ConfigError(f"raysim cannot map the tokens of a {type(visual).__name__} image tower to the embedding space "
+                              f"(it knows open_clip ViTs and average-pooled timm CNNs; {POOLED_HINT})")
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = tokens[:, 1:] if self.drop_first else tokens
+        x = self.head(x.to(torch.float32))
+        return x @ self.proj if self.proj is not None else x
+
+
 class TextTower(nn.Module):
     """The frozen text side of an open_clip CLIP, fed with token *embeddings* so prompts can be learned.
 
@@ -447,6 +491,7 @@ class ClipEnv:
     device: torch.device
     feature_dim: int
     token_dim: int = 0  # width of the image tower's tokens (`token_site`); 0 where raysim cannot read them
+    token_head: TokenHead | None = None  # per-token map into the embedding space, built on request (build_clip_env)
 
     @property
     def ctx_width(self) -> int:
@@ -454,7 +499,9 @@ class ClipEnv:
 
 
 def build_clip_env(spec: ModelSpec, classnames: Sequence[str], n_ctx: int, device: str | torch.device = "cpu",
-                   ctx_init: str = "") -> ClipEnv:
+                   ctx_init: str = "", token_head: bool = False) -> ClipEnv:
+    """The frozen text side and CoOp prompts; `token_head=True` also keeps the image tower's per-token
+    map (`TokenHead`; raises ConfigError for a tower it does not know)."""
     clip = load_clip(spec, device="cpu")
     tower = build_text_tower(clip, spec.model).to(device)
     prompts = CoOpPrompts(tower, classnames, n_ctx, ctx_init).to(device)
@@ -470,6 +517,7 @@ def build_clip_env(spec: ModelSpec, classnames: Sequence[str], n_ctx: int, devic
         device=torch.device(device),
         feature_dim=tower.embed_dim,
         token_dim=token_dim,
+        token_head=TokenHead(clip.visual).to(device) if token_head else None,
     )
 
 

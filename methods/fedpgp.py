@@ -1,0 +1,125 @@
+"""FedPGP (Cui et al., 2024) as the FedSEPT repository runs it (SPEC 1.11, fedsept.txt B.2).
+
+Prompt  P = U V + G: a shared global context G (L x w, the only upload) plus a private low-rank
+        part U (L x r) V (r x w), r = 4; G, U, V ~ N(0, 0.02^2).
+Text    four feature sets per step: "embedding" t0 (the plain "X X ... X <class>." prompts, no learned
+        context), global-only t_G, UV-only t_UV (computed as the official code does, never used by the
+        loss: `uv_features=false` skips it), and the full prompt t_P.
+Loss    l_i = CE(s <v(x_i), t_P>, y_i) + mu * L_con, with the prompt-wise contrast
+        L_con = mean_c CE([cos(t0_c, t_G,c), cos(t_G,c, t_P,c)] / tau, target 0), mu = 100, tau = 0.5:
+        it pulls the global prompt towards the hand-made prompt and away from the personalised one.
+DP      DP-SGD on G alone; U and V take the plain gradient. L_con does not depend on the batch, yet
+        in the official placement (`contrast_outside_dp=false`) it is added to every per-example loss
+        before clipping, so mu * grad L_con dominates every clipped per-example gradient: with mu = 100
+        most of the clipping budget carries the same data-independent direction and the data's CE
+        signal is scaled down with it (a likely cause of FedPGP's weak DP numbers, SPEC 1.11).
+        `contrast_outside_dp=true` passes it as `public_loss` instead: its gradient is added after
+        clipping and noising. Caveat: L_con reads the private U, V, which train on the client's data
+        without noise, so it is data-independent only given them; the same caveat holds for every
+        per-example gradient of a method that keeps non-private local tensors (the papers' threat model).
+Server  FedAvg of G; the client's model is the latest G with its own U, V.
+
+`train.ctx_init` is not used: G starts random and t0 uses the placeholder prompts, as in FedSEPT's runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from raysim.errors import ConfigError
+from raysim.methods.base import ClientData, LocalResult, register_method
+from raysim.methods.common import ClipPromptMethod, sgd, weighted_mean
+from raysim.privacy.mechanisms import dpsgd
+
+
+@dataclass
+class FedPGPOptions:
+    rank: int = 4  # r of U (L x r) and V (r x w)
+    weight: float = 100.0  # mu, the weight of the prompt-wise contrast
+    temperature: float = 0.5  # tau
+    contrast_outside_dp: bool = False  # True: mu * L_con as DP-SGD's public_loss (after clipping) instead of per example
+    uv_features: bool = True  # encode the UV-only prompts every step as the official code does (unused by the loss)
+
+    def validate(self) -> None:
+        if self.rank < 1:
+            raise ConfigError(f"fedpgp.rank must be >= 1, got {self.rank}")
+        if self.weight < 0:
+            raise ConfigError(f"fedpgp.weight must be >= 0 (0 drops the contrast), got {self.weight}")
+        if not self.temperature > 0:
+            raise ConfigError(f"fedpgp.temperature must be > 0, got {self.temperature}")
+
+
+def prompt_contrast(t0: Tensor, t_global: Tensor, t_full: Tensor, temperature: float) -> Tensor:
+    """FedPGP's prompt-wise contrast on normalised (C, D) text features: per class a 2-way CE with
+    logits [cos(t0_c, t_global_c), cos(t_global_c, t_full_c)] / temperature and target 0, averaged."""
+    pos = (t0 * t_global).sum(-1)
+    neg = (t_global * t_full).sum(-1)
+    logits = torch.stack([pos, neg], dim=1) / temperature
+    return F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device))
+
+
+@register_method
+class FedPGP(ClipPromptMethod):
+    name = "fedpgp"
+    Options = FedPGPOptions
+    releases = {"global_ctx": dpsgd()}
+    client_metrics = ("loss", "ce", "contrast")
+
+    def init_shared(self, env, rng):
+        return {"global_ctx": torch.randn(self.train.n_ctx, env.ctx_width, generator=rng) * 0.02}
+
+    def init_private(self, env, data: ClientData, rng):
+        U = torch.randn(self.train.n_ctx, self.opts.rank, generator=rng) * 0.02
+        V = torch.randn(self.opts.rank, env.ctx_width, generator=rng) * 0.02
+        return {"U": U, "V": V}
+
+    def aggregate(self, env, shared, uploads, rng):
+        return {"global_ctx": weighted_mean(uploads, "global_ctx")}
+
+    def local_train(self, env, shared, private, data: ClientData, *, rng, privacy) -> LocalResult:
+        o = self.opts
+        G = shared["global_ctx"].clone().to(env.device).requires_grad_(True)
+        U = private["U"].clone().to(env.device).requires_grad_(True)
+        V = private["V"].clone().to(env.device).requires_grad_(True)
+        opt = sgd([G, U, V], self.train)
+        x, y = data.x_train.to(env.device), data.y_train.to(env.device)
+        t0 = env.prompts.plain_text_features()  # "X X ... X <class>.": no learned context, constant
+        terms: dict[str, list[float]] = {"loss": [], "ce": [], "contrast": []}
+        for _ in range(self.train.local_epochs):
+            for idx in privacy.batches(data.num_train, self.train.batch_size, rng):
+                UV = U @ V
+                t_full, t_global = env.prompts.text_features(torch.stack([G + UV, G])).unbind(0)
+                if o.uv_features:
+                    with torch.no_grad():  # the official code encodes it every step and never uses it
+                        env.prompts.text_features(UV)
+                ce = F.cross_entropy(self.logits(env, x[idx], t_full), y[idx], reduction="none")
+                raw = prompt_contrast(t0, t_global, t_full, o.temperature)
+                contrast = o.weight * raw
+                if o.contrast_outside_dp:
+                    loss, public = ce, contrast  # its gradient joins after clipping and noise
+                else:
+                    loss, public = ce + contrast, None  # per example, before clipping (official placement)
+                opt.zero_grad(set_to_none=True)
+                privacy.backward(loss, dp_params={"global_ctx": G}, other_params=[U, V], public_loss=public)
+                opt.step()
+                if len(idx):  # a Poisson batch may be empty (a noise-only step)
+                    terms["ce"].append(ce.mean().item())
+                    terms["contrast"].append(float(raw.detach()))  # L_con itself; "loss" has mu * L_con
+                    terms["loss"].append(terms["ce"][-1] + float(contrast.detach()))
+        return LocalResult(
+            upload={"global_ctx": G.detach().cpu()},
+            private={"U": U.detach().cpu(), "V": V.detach().cpu()},
+            num_samples=data.num_train,
+            metrics={k: sum(v) / max(1, len(v)) for k, v in terms.items()},
+        )
+
+    def predictor(self, env, shared, private, data=None):
+        """The latest global context with the client's own U V (SPEC 1.8)."""
+        with torch.no_grad():
+            P = shared["global_ctx"].to(env.device) + private["U"].to(env.device) @ private["V"].to(env.device)
+            text = env.prompts.text_features(P)
+        return lambda feats: self.logits(env, feats.to(env.device), text)
