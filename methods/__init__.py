@@ -1,6 +1,7 @@
 """Federated methods, one module each; every module registers its class on import."""
 
 from raysim.methods import (
+    dpfpl,  # noqa: F401,E402
     fedavg,  # noqa: F401,E402
     fedproto,  # noqa: F401,E402
     fedsept,  # noqa: F401,E402
@@ -8,6 +9,7 @@ from raysim.methods import (
     fedtsp,  # noqa: F401,E402
     fedtsp_homo,  # noqa: F401,E402
     local,  # noqa: F401,E402
+    pfedmoap,  # noqa: F401,E402
     promptfl,  # noqa: F401,E402
     zeroshot,  # noqa: F401,E402
 )
