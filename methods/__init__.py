@@ -2,6 +2,7 @@
 
 from raysim.methods import (
     alignfed,  # noqa: F401,E402
+    dpfpl,  # noqa: F401,E402
     fedavg,  # noqa: F401,E402
     feddistill,  # noqa: F401,E402
     fedgen,  # noqa: F401,E402
@@ -19,6 +20,7 @@ from raysim.methods import (
     fml,  # noqa: F401,E402
     lgfedavg,  # noqa: F401,E402
     local,  # noqa: F401,E402
+    pfedmoap,  # noqa: F401,E402
     promptfl,  # noqa: F401,E402
     zeroshot,  # noqa: F401,E402
 )

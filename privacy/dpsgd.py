@@ -205,6 +205,56 @@ class DPSGD(_Standalone):
             self.on_step()
 
 
+class BatchClipSGD(_Standalone):
+    """A reference code's noisy step, reproduced (DP-FPL, `privacy.mechanisms.DPFPLReference`): the gradient
+    of the batch-mean loss w.r.t. the uploaded tensors is clipped to `clip` as a whole, N(0, std^2) is added,
+    and the other tensors get the plain gradient. NOT per-example DP-SGD: one example can move the clipped
+    batch gradient by up to 2 * clip, which `std` (sigma * clip / B in the reference) does not account for."""
+
+    enabled = True
+
+    def __init__(self, *, std: float, clip: float, generator: torch.Generator, on_step: Callable[[], None] | None = None) -> None:
+        if not (std >= 0 and math.isfinite(std)):
+            raise ConfigError(f"noise std must be a finite number >= 0, got {std}")
+        if not (clip > 0 and math.isfinite(clip)):
+            raise ConfigError(f"clipping norm must be > 0, got {clip}")
+        self.std = float(std)
+        self.clip = float(clip)
+        self.generator = generator
+        self.on_step = on_step
+        self.steps = 0
+        self.trained: dict[str, Tensor] = {}
+        self.names_each_step: list[frozenset[str]] = []
+
+    def backward(self, per_sample_loss: Tensor, dp_params, other_params: Sequence[Tensor] = (), public_loss: Tensor | None = None) -> None:
+        named = _named(dp_params)
+        dp_list = list(named.values())
+        if per_sample_loss.shape[0] == 0:
+            raise ValueError("a batch-clipped step needs a non-empty batch")
+        loss = per_sample_loss.mean()
+        public_grads = None
+        if public_loss is not None and dp_list:
+            public_grads = torch.autograd.grad(public_loss, dp_list, retain_graph=True, allow_unused=True)
+        if dp_list:
+            raw = torch.autograd.grad(loss, dp_list, retain_graph=True, allow_unused=True)
+            grads = [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(raw, dp_list)]
+            norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+            scale = min(1.0, self.clip / max(norm, 1e-12))
+            for j, (p, g) in enumerate(zip(dp_list, grads)):
+                total = g * scale
+                if self.std > 0:
+                    total = total + gaussian_noise_like(total, self.std, self.generator)
+                if public_grads is not None and public_grads[j] is not None:
+                    total = total + public_grads[j].detach()
+                p.grad = total.detach().to(p.dtype)
+        _plain_grads(loss, other_params)
+        self.trained.update(named)
+        self.names_each_step.append(frozenset(named))
+        self.steps += 1
+        if self.on_step is not None:
+            self.on_step()
+
+
 class NoDP(_Standalone):
     """The handle when DP is off: plain gradients of the mean loss (plus `public_loss`) for every tensor,
     `.grad` overwritten."""

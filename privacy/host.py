@@ -27,9 +27,18 @@ from raysim.errors import UploadViolation
 from raysim.sampling import generator
 
 from .accountant import calibrate_multiplier
-from .dpsgd import DPSGD, NoDP
+from .dpsgd import DPSGD, BatchClipSGD, NoDP
 from .ledger import PrivacyLedger, Release
-from .mechanisms import ClientUpdate, DPSGDMechanism, EmbeddingRelease, Mechanism, PrototypeRelease, Public, resolve_all
+from .mechanisms import (
+    ClientUpdate,
+    DPFPLReference,
+    DPSGDMechanism,
+    EmbeddingRelease,
+    Mechanism,
+    PrototypeRelease,
+    Public,
+    resolve_all,
+)
 
 
 @dataclass
@@ -147,7 +156,17 @@ class RoundPrivacy:
         names = host._private_names(cid)
         self.dpsgd = [n for n in names if isinstance(host.mechanisms[n], DPSGDMechanism)]
         self.poisson = bool(self.dpsgd) and dp.sampling == "poisson"
-        self._sgd: Union[DPSGD, NoDP] = NoDP()
+        self._sgd: Union[DPSGD, BatchClipSGD, NoDP] = NoDP()
+        self.reference = [n for n in names if isinstance(host.mechanisms[n], DPFPLReference)]
+        if self.reference:  # a reference code's noise, reproduced: recorded as not valid (mechanisms.DPFPLReference)
+            assert not self.dpsgd, "a method's uploads train either by DP-SGD or by the reference noise, not both"
+            ref = host.mechanisms[self.reference[0]]
+            assert isinstance(ref, DPFPLReference)  # self.reference holds only reference releases
+            rounds = host.releases_per_client(cid)
+            self._reference_release = Release(ref.name, ref.honest_multiplier(rounds, host.batch_size), 1.0, 0, round_idx,
+                                              sampling="shuffle", valid=False)
+            self._sgd = BatchClipSGD(std=ref.noise_std(rounds, host.batch_size), clip=dp.clip,
+                                     generator=generator(host.seed, "dp-noise", round_idx, cid))
         if self.dpsgd:
             z = host.multiplier(cid, num_train)
             mech = host.mechanisms[self.dpsgd[0]]
@@ -161,8 +180,8 @@ class RoundPrivacy:
 
     @property
     def enabled(self) -> bool:
-        """True when DP-SGD privatises the tensors passed as `dp_params`."""
-        return isinstance(self._sgd, DPSGD)
+        """True when DP-SGD (or a reproduced reference noise) noises the tensors passed as `dp_params`."""
+        return isinstance(self._sgd, (DPSGD, BatchClipSGD))
 
     # -- what the method calls -------------------------------------------------------------------
     def batches(self, n: int, batch_size: int, rng: torch.Generator) -> Iterator[Tensor]:
@@ -254,6 +273,8 @@ class RoundPrivacy:
         if self.dpsgd:
             done = replace(self._dpsgd_release, steps=self._sgd.steps)
             self.pending.insert(0, done)
+        if self.reference and self._sgd.steps:
+            self.pending.insert(0, replace(self._reference_release, steps=self._sgd.steps))
         if self.pending:
             ledger = self.host.ledger(self.cid)
             for r in self.pending:
@@ -265,15 +286,17 @@ class RoundPrivacy:
             mech = self.host.mechanisms.get(k)
             if mech is None or isinstance(mech, (Public, ClientUpdate)):
                 continue
-            if isinstance(mech, DPSGDMechanism):
+            if isinstance(mech, (DPSGDMechanism, DPFPLReference)):
                 sgd = self._sgd
-                if not isinstance(sgd, DPSGD) or sgd.steps == 0:
+                if not isinstance(sgd, (DPSGD, BatchClipSGD)) or sgd.steps == 0:
                     if k in self.shared and self.shared[k].shape == v.shape and torch.equal(self.shared[k].detach().cpu(), v):
                         continue  # untouched broadcast tensor: nothing of the client's data in it
-                    raise UploadViolation(f"client {self.cid}: {k!r} is declared dpsgd but no DP-SGD step trained it (fail closed)")
+                    raise UploadViolation(
+                        f"client {self.cid}: {k!r} is declared {declared[k].kind} but no DP-SGD step trained it (fail closed)"
+                    )
                 if any(k not in names for names in sgd.names_each_step) or k not in sgd.trained:
                     raise UploadViolation(
-                        f"client {self.cid}: {k!r} is declared dpsgd but was not passed as dp_params={{{k!r}: tensor}} "
+                        f"client {self.cid}: {k!r} is declared {declared[k].kind} but was not passed as dp_params={{{k!r}: tensor}} "
                         "to every privacy.backward step (fail closed)"
                     )
                 if not torch.equal(sgd.trained[k].detach().cpu(), v):

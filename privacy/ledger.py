@@ -65,6 +65,7 @@ class Release:
     # how the DP-SGD batches were drawn: "poisson" (what the accountant assumes) or "shuffle" (the papers'
     # code: fixed-size shuffled batches, accounted as if Poisson); "" for releases without sampling
     sampling: str = ""
+    valid: bool = True  # False: a reference code's noise, not a valid guarantee at the claimed epsilon
 
 
 class PrivacyLedger:
@@ -114,8 +115,9 @@ class PrivacyLedger:
         return self._compose(self.releases + [release])
 
     def check(self, release: Release) -> None:
-        """Raise `PrivacyBudgetExceeded` if `release` would take the client past its budget."""
-        if math.isinf(self.target_epsilon):
+        """Raise `PrivacyBudgetExceeded` if `release` would take the client past its budget (not enforced for
+        an invalid release, or once the ledger holds one: there is no guarantee left to protect)."""
+        if math.isinf(self.target_epsilon) or not release.valid or not self.valid:
             return
         eps = self.epsilon_if(release)
         if eps > self.target_epsilon * (1 + 1e-6):
@@ -131,6 +133,11 @@ class PrivacyLedger:
         self.releases.append(release)
         self._cache = None
 
+    @property
+    def valid(self) -> bool:
+        """False when a release was made with a reference code's noise that is not a valid guarantee."""
+        return all(r.valid for r in self.releases)
+
     def remaining(self) -> float:
         return self.target_epsilon - self.epsilon()
 
@@ -141,7 +148,7 @@ class PrivacyLedger:
             "delta": float(self.delta),
             "accountant": self.accountant,
             "releases": [
-                {k: (v if v is None or isinstance(v, str) else (int(v) if k in ("steps", "round") else float(v)))
+                {k: (v if v is None or isinstance(v, (str, bool)) else (int(v) if k in ("steps", "round") else float(v)))
                  for k, v in asdict(r).items()}
                 for r in self.releases
             ],

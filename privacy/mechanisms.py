@@ -7,6 +7,8 @@ A method declares, for every tensor it may upload, a `ReleaseSpec` naming the *k
     prototype   class prototypes computed from the client's features (the host computes and noises them)
     embedding   a one-shot release of a tensor the client computes once (FedTSP's description embeddings)
     public      not private (sample counts, and only where the papers treat them as public)
+    reference   a reference code's own noise, reproduced on request (DP-FPL's batch-gradient clipping):
+                recorded in the ledger as not valid (`Release.valid = False`), never a DP guarantee
 
 The host resolves each kind against the run's `dp` section to one registered `Mechanism`
 (`resolve`); a combination that cannot be made private is refused at config time (`check_method`).
@@ -19,6 +21,7 @@ ledger entry composes through the same accountant (one epsilon conversion everyw
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Protocol
 
@@ -28,7 +31,7 @@ from torch import Tensor
 from raysim.errors import ConfigError
 from raysim.registry import Registry
 
-KINDS = ("dpsgd", "update", "prototype", "embedding", "public")
+KINDS = ("dpsgd", "update", "prototype", "embedding", "public", "reference")
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,11 @@ def public(note: str) -> ReleaseSpec:
     return ReleaseSpec("public", note=note)
 
 
+def reference() -> ReleaseSpec:
+    """A release noised the way a reference code does it, which is not a valid DP guarantee (README "Privacy")."""
+    return ReleaseSpec("reference")
+
+
 # ------------------------------------------------------------------------------------- mechanisms
 @dataclass(frozen=True)
 class Planned:
@@ -86,6 +94,7 @@ class Mechanism:
     sensitivity: ClassVar[str] = ""
     relation: ClassVar[str] = ""
     accountant: ClassVar[str] = ""
+    warning: ClassVar[str] = ""  # a line the run logs once when this mechanism is in use (e.g. not a valid guarantee)
 
     def __init__(self, dp: Any) -> None:
         self.dp = dp
@@ -219,6 +228,40 @@ class EmbeddingRelease(Mechanism):
         return (v + multiplier * 2.0 * clip * noise).reshape(tensor.shape).to(tensor.dtype)
 
 
+@register_mechanism
+class DPFPLReference(Mechanism):
+    """The DP-FPL code's noise (linhhtran/DP-FPL, trainers/DP_FPL.py): the batch-mean gradient is clipped
+    to C as a whole and N(0, (sigma C / B)^2) is added, with sigma = q sqrt(T ln(1/delta)) / epsilon at
+    q = 1 and T = the rounds, i.e. the per-example sensitivity C / B is claimed for a clipped *batch*
+    gradient. One example moves that clipped mean anywhere in a C-ball, so the true sensitivity is 2C and
+    the claimed epsilon does not hold. The ledger records the steps with `valid=False` at the multiplier
+    relative to 2C, sigma / (2B), q = 1, every step counted: the epsilon it prints is an honest (loose)
+    bound for this noise, far above the target, and the budget is not enforced."""
+
+    name = "dpfpl_reference"
+    applied = "train"
+    clipped = "the batch-mean gradient of the uploaded tensors, jointly, to dp.clip = C (not each example's)"
+    sensitivity = "claimed C/B by the reference code; true 2C per step (two clipped batch means lie in one C-ball)"
+    relation = "add/remove one training example (sample-level), as claimed"
+    accountant = ("NOT a valid DP guarantee: sigma = sqrt(T ln(1/delta)) / epsilon (T = rounds, q = 1), noise std "
+                  "sigma C/B; the ledger marks it valid=False and composes it at sigma/(2B), q = 1, every step")
+    warning = ("dpfpl.dp_mode=reference reproduces the DP-FPL code's batch-gradient clipping and sigma = sqrt(T ln(1/delta))"
+               "/epsilon: this is NOT a valid (epsilon, delta) guarantee; the ledger marks it valid=False and its printed "
+               "epsilon is the honest bound at sensitivity 2C, far above dp.epsilon")
+
+    def reference_sigma(self, rounds: int) -> float:
+        """The reference code's sigma: q sqrt(T ln(1/delta)) / epsilon with q = 1 and T = `rounds`."""
+        return math.sqrt(max(1, int(rounds)) * math.log(1.0 / self.dp.delta)) / self.dp.epsilon
+
+    def noise_std(self, rounds: int, batch_size: int) -> float:
+        """Std of the noise added to the clipped batch-mean gradient: sigma C / B (B = the batch size)."""
+        return self.reference_sigma(rounds) * self.dp.clip / max(1, int(batch_size))
+
+    def honest_multiplier(self, rounds: int, batch_size: int) -> float:
+        """The noise relative to the true per-step sensitivity 2C: sigma / (2B)."""
+        return self.noise_std(rounds, batch_size) / (2.0 * self.dp.clip)
+
+
 def _dense(protos: dict[int, Tensor], num_classes: int, like: Tensor) -> Tensor:
     out = torch.zeros(num_classes, like.shape[1], dtype=torch.float32)
     for c, p in protos.items():
@@ -250,6 +293,10 @@ def resolve(spec: ReleaseSpec, dp: Any, *, what: str) -> Optional[Mechanism]:
         return MECHANISMS.get(dp.prototypes)(dp)
     if spec.kind == "embedding":
         return EmbeddingRelease(dp)
+    if spec.kind == "reference":
+        if level != "sample":
+            raise ConfigError(f"{what} reproduces a reference code's sample-level noise; use dp.level=sample")
+        return DPFPLReference(dp)
     raise ConfigError(f"{what}: unknown release kind {spec.kind!r}")
 
 
@@ -260,6 +307,15 @@ def resolve_all(releases: dict[str, ReleaseSpec], dp: Any, *, method: str) -> di
 def check_method(method: Any, dp: Any) -> None:
     """Config-time check: every upload `method` declares can be released privately under `dp`."""
     resolve_all(method.releases, dp, method=method.name)
+
+
+def warnings_for(method: Any, dp: Any) -> list[str]:
+    """The lines a run logs once for the mechanisms `method`'s uploads resolve to under `dp`."""
+    lines = []
+    for mech in resolve_all(method.releases, dp, method=method.name).values():
+        if mech is not None and mech.warning and mech.warning not in lines:
+            lines.append(mech.warning)
+    return lines
 
 
 def mechanism_table() -> list[dict[str, str]]:

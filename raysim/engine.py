@@ -245,6 +245,10 @@ def _start(cfg: RunConfig, out_dir: Path, done: int) -> tuple[Any, Any, RunLogge
     from raysim.backends import BACKENDS
 
     method = make_method(cfg)
+    from raysim.privacy.mechanisms import warnings_for
+
+    for line in warnings_for(method, cfg.dp):  # e.g. a reference code's noise that is not a valid guarantee
+        log.warning(line)
     if done >= cfg.train.rounds - 1:
         log.info("run %s already completed %d rounds", out_dir, done + 1)
     data = prepare_data(cfg, method.needs(), progress=cfg.output.progress)
