@@ -2,6 +2,11 @@
 
 from raysim.methods import (
     fedavg,  # noqa: F401,E402
+    fedbabu,  # noqa: F401,E402
+    fedetf,  # noqa: F401,E402
+    fedfa,  # noqa: F401,E402
+    fedpac,  # noqa: F401,E402
+    fedpcl,  # noqa: F401,E402
     fedproto,  # noqa: F401,E402
     fedsept,  # noqa: F401,E402
     fedtgp,  # noqa: F401,E402

@@ -19,6 +19,11 @@ FAST = {
     "fedtgp": {"model_family": "tiny", "server_epochs": 2},
     "local": {"model_family": "tiny"},
     "fedavg": {"model": "cnn_tiny"},
+    "fedbabu": {"model": "cnn_tiny"},
+    "fedetf": {"model": "cnn_tiny"},
+    "fedfa": {"model": "cnn_tiny"},
+    "fedpac": {"model": "cnn_tiny", "qp_iters": 200},
+    "fedpcl": {"model": "cnn_tiny"},
     "fedsept": {"rank": 4},
 }
 
