@@ -194,11 +194,11 @@ class FedPAC(Homogeneous, HeteroMethod):
                     if len(idx) < 2:
                         continue
                     x, y = data.x_train[idx].to(env.device), data.y_train[idx].to(env.device)
-                    loss = F.cross_entropy(model(x)[1], y)
+                    head_loss = F.cross_entropy(model(x)[1], y)
                     opt.zero_grad(set_to_none=True)
-                    loss.backward()
+                    head_loss.backward()
                     opt.step()
-                    head_losses.append(float(loss.detach()))
+                    head_losses.append(float(head_loss.detach()))
         # 3. the body alone, aligned to the global prototypes
         protos, has = shared["protos"].to(env.device).float(), shared["has"].to(env.device) > 0.5
         extra = None

@@ -116,7 +116,7 @@ class FedPCL(HeteroMethod):
         model = self.model(env, private)
         has = shared["has"].to(env.device) > 0.5
         logs: dict[str, list[float]] = {k: [] for k in self.client_metrics}
-        if private.get("protos") is not None and bool(has.any()):  # PFLlib trains once its prototypes exist
+        if private.get("own_protos") is not None and bool(has.any()):  # PFLlib trains once its prototypes exist
             glob = shared["protos"].to(env.device).float()
             others = shared["client_protos"].to(env.device).float()
             model.train()
@@ -145,7 +145,7 @@ class FedPCL(HeteroMethod):
                   "counts": counts}
         return LocalResult(
             upload=upload,
-            private={**private, "model": snapshot(model), "protos": exact, "own": counts > 0},
+            private={**private, "model": snapshot(model), "own_protos": exact, "own": counts > 0},
             num_samples=data.num_train,
             metrics={k: (sum(v) / len(v) if v else float("nan")) for k, v in logs.items()},
         )
@@ -155,8 +155,8 @@ class FedPCL(HeteroMethod):
         model = self.model(env, private).eval()
         C = env.num_classes
         glob, has = shared["protos"].to(env.device).float(), shared["has"].to(env.device) > 0.5
-        if private.get("protos") is not None:
-            own, own_has = private["protos"].to(env.device).float(), private["own"].to(env.device)
+        if private.get("own_protos") is not None:
+            own, own_has = private["own_protos"].to(env.device).float(), private["own"].to(env.device)
         else:
             own, own_has = torch.zeros(C, env.feature_dim, device=env.device), torch.zeros(C, dtype=torch.bool, device=env.device)
         protos = torch.where(own_has[:, None], own, torch.where(has[:, None], glob, torch.zeros_like(glob)))
