@@ -47,6 +47,7 @@ def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationDat
     `needs` is the method's declared `Needs` (input kind and size, image tokens)."""
     from raysim.data import DATASETS, LoadSpec, PartitionSpec, partition
     from raysim.data.features import cached_image_features
+    from raysim.data.partition import is_pooled
     from raysim.models.clip import ModelSpec, load_clip, register_builtin_configs, resolve_device
 
     register_builtin_configs()
@@ -92,16 +93,25 @@ def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationDat
                 )
     else:
         xtr, xte = materialize_images(bundle.train.images), materialize_images(bundle.test.images)
+    x_train, x_test = xtr.numpy(), xte.numpy()  # features (N, D) or images (N, 3, S, S)
+    y_train, y_test = bundle.train.labels.astype(np.int64), bundle.test.labels.astype(np.int64)
+    tok_train = None if ttr is None else ttr.numpy()  # (N, K, width) float16, only when asked for
+    tok_test = None if tte is None else tte.numpy()
+    if is_pooled(cfg.data.partition):  # the split's indices point into train + test merged (partition=pfllib)
+        x_train = x_test = np.concatenate([x_train, x_test])
+        y_train = y_test = np.concatenate([y_train, y_test])
+        if tok_train is not None and tok_test is not None:
+            tok_train = tok_test = np.concatenate([tok_train, tok_test])
     return FederationData(
-        x_train=xtr.numpy(),  # features (N, D) or images (N, 3, S, S)
-        y_train=bundle.train.labels.astype(np.int64),
-        x_test=xte.numpy(),
-        y_test=bundle.test.labels.astype(np.int64),
+        x_train=x_train,
+        y_train=y_train,
+        x_test=x_test,
+        y_test=y_test,
         train_idx=[s.train for s in splits],
         test_idx=[s.test for s in splits],
         classnames=list(bundle.classnames),
-        tok_train=None if ttr is None else ttr.numpy(),  # (N, K, width) float16, only when asked for
-        tok_test=None if tte is None else tte.numpy(),
+        tok_train=tok_train,
+        tok_test=tok_test,
     )
 
 
