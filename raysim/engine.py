@@ -19,7 +19,7 @@ import numpy as np
 from raysim.config import RunConfig, build_config, load_yaml
 from raysim.data.federation import FederationData
 from raysim.errors import ConfigError, RunFolderLocked
-from raysim.metrics import RunLogger, harmonic_mean, summarize, summary_table
+from raysim.metrics import RunLogger, harmonic_mean, summary_table
 from raysim.sampling import participants
 from raysim.store import LOCK_NAME, RunLock, StateStore
 
@@ -316,11 +316,11 @@ def _one_round(
 
 def _finish(cfg: RunConfig, out_dir: Path, logger: RunLogger, hparams: dict[str, Any], rows: list[dict[str, Any]],
             info: dict[str, Any]) -> RunResult:
-    summary = summarize(out_dir / "results.csv", last=max(1, cfg.eval.last))
+    from raysim.evaluation import PROTOCOLS
+
+    protocol = PROTOCOLS.get(cfg.eval.protocol)  # the protocol says how a run is summarised
+    summary = protocol.summarize(out_dir, last=max(1, cfg.eval.last))
     logger.close(final_metrics=summary, hparams=hparams)
     title = f"{cfg.method} on {cfg.data.dataset} ({cfg.data.partition}, {cfg.train.num_clients} clients)"
-    (out_dir / "summary.md").write_text(
-        summary_table([(cfg.method, summary)], title=title)
-        + f"\nMean of the last {int(summary.get('rounds_averaged', 0))} evaluated rounds; accuracies in %.\n"
-    )
+    (out_dir / "summary.md").write_text(protocol.markdown(cfg.method, summary, title=title))
     return RunResult(out_dir, summary, rows, info)
