@@ -6,7 +6,8 @@ The model-homogeneous settings (fedtsp.txt Table 3: GFL, and PFL as "-FT") with 
 
     python benchmarks/compare_fedtsp.py --methods fedavg,fedavg_ft,fedtsp_gfl,fedtsp_gfl_ft --homo-model fedavgcnn
 
-`fedavg_ft` and `fedtsp_gfl_ft` are fedavg and fedtsp_gfl with `finetune_epochs=--finetune-epochs`.
+`fedavg_ft` and `fedtsp_gfl_ft` are fedavg and fedtsp_gfl with `finetune_epochs=--finetune-epochs`; so are
+`fedbabu_ft`, `fedetf_per` and `fedfa_ft` (the other GFL / PFL baselines: fedbabu, fedetf, fedfa, fedpcl, fedpac).
 
 Prints, per method, the metrics of fedtsp.txt section 4 computed from each run's client_results.csv:
   local accuracy  = sum over clients of correct on their own test split / sum of own test samples
@@ -120,8 +121,11 @@ def main(argv: list[str] | None = None) -> int:
         "fedavg": {"model": a.homo_model, "feature_dim": 512},
         "fedtsp_gfl": {"plm": a.plm, "model": a.homo_model, "lam": a.lam, "len_prompt": a.len_prompt,
                        "prompt_epochs": a.prompt_epochs},
+        **{m: {"model": a.homo_model, "feature_dim": 512} for m in ("fedbabu", "fedetf", "fedfa", "fedpcl", "fedpac")},
     }
-    variants = {"fedavg_ft": "fedavg", "fedtsp_gfl_ft": "fedtsp_gfl"}  # -FT: the head fine-tuned per client
+    # -FT: the head fine-tuned per client (FedETF-Per: its ETF and projection, methods/fedetf.py)
+    variants = {"fedavg_ft": "fedavg", "fedtsp_gfl_ft": "fedtsp_gfl", "fedbabu_ft": "fedbabu", "fedetf_per": "fedetf",
+                "fedfa_ft": "fedfa"}
     results = {}
     semantics: dict[str, dict[str, float] | None] = {}
     classnames: list[str] = []
