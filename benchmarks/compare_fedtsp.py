@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--beta", type=float, default=0.5)
+    p.add_argument("--partition", default="dirichlet", help="dirichlet | pfllib (PFLlib's protocol, fedtsp.txt's tables)")
     p.add_argument("--local-epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lam", type=float, default=7.0, help="FedTSP lambda (FedProto/FedTGP use 1)")
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             section["finetune_epochs"] = a.finetune_epochs
         t0 = time.perf_counter()
         cfg = build_config({
-            "method": method, "dataset": a.dataset, "partition": "dirichlet", "beta": a.beta, "shots": 0,
+            "method": method, "dataset": a.dataset, "partition": a.partition, "beta": a.beta, "shots": 0,
             "num_clients": a.clients, "rounds": a.rounds, "local_epochs": a.local_epochs, "batch_size": a.batch_size,
             "seed": a.seed, "backend": a.backend, "device": a.device, "model": a.model, "pretrained": a.pretrained,
             "eval_every": 1, "eval_last": a.rounds, "out_dir": str(out / name), "progress": False,
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             classnames = DATASETS.get(a.dataset)(spec).classnames
         semantics[name] = semantic_structure(res.out_dir, a.rounds, a.dataset, classnames)
         print(f"{name}: {a.rounds} rounds in {time.perf_counter() - t0:.0f}s -> {res.out_dir}", file=sys.stderr, flush=True)
-    title = (f"{a.dataset}, Dirichlet beta={a.beta}, {a.clients} clients, {a.family}, {a.rounds} rounds, "
+    title = (f"{a.dataset}, {a.partition} beta={a.beta}, {a.clients} clients, {a.family}, {a.rounds} rounds, "
              f"E={a.local_epochs}, B={a.batch_size}, FedTSP plm={a.plm} lambda={a.lam}; homogeneous model {a.homo_model}, "
              f"-FT {a.finetune_epochs} epoch(s); accuracies in %")
     from raysim.metrics import markdown_table
