@@ -4,12 +4,17 @@ from raysim.methods import (
     alignfed,  # noqa: F401,E402
     dpfpl,  # noqa: F401,E402
     fedavg,  # noqa: F401,E402
+    fedbabu,  # noqa: F401,E402
     feddistill,  # noqa: F401,E402
+    fedetf,  # noqa: F401,E402
+    fedfa,  # noqa: F401,E402
     fedgen,  # noqa: F401,E402
     fedgh,  # noqa: F401,E402
     fedkd,  # noqa: F401,E402
     fedmrl,  # noqa: F401,E402
     fedotp,  # noqa: F401,E402
+    fedpac,  # noqa: F401,E402
+    fedpcl,  # noqa: F401,E402
     fedpgp,  # noqa: F401,E402
     fedpha,  # noqa: F401,E402
     fedproto,  # noqa: F401,E402

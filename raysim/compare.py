@@ -371,28 +371,6 @@ class InCrossLayout(Layout):
         return [i for i, h in enumerate(table.header) if h.endswith("HM")]
 
 
-def fedtsp_round_metrics(client_csv: Path) -> dict[int, dict[str, float]]:
-    """{round: {local, global}} of fedtsp.txt section 4 from a run's client_results.csv:
-    local = sum over clients of correct on their own test split / sum of own test samples (sample-weighted);
-    global = mean over clients of the client model's accuracy on the union of all test splits."""
-    by_round: dict[int, list[dict[str, str]]] = defaultdict(list)
-    with open(client_csv, newline="") as f:
-        for r in csv.DictReader(f):
-            if r.get("in_client", "") != "":
-                by_round[int(r["round"])].append(r)
-    out = {}
-    for rnd, rows in sorted(by_round.items()):
-        n_in = sum(int(r["n_in"]) for r in rows)
-        hits_in = sum(float(r["in_client"]) * int(r["n_in"]) for r in rows)
-        glob = []
-        for r in rows:
-            n_i, n_c = int(r["n_in"]), int(r["n_cross"])
-            hits = float(r["in_client"]) * n_i + float(r["cross_client"] or 0) * n_c
-            glob.append(hits / max(1, n_i + n_c))
-        out[rnd] = {"local": hits_in / max(1, n_in), "global": sum(glob) / len(glob)}
-    return out
-
-
 @LAYOUTS.add
 class FedTSPLayout(Layout):
     """FedTSP's Table 1 / 3: per setting (e.g. Dirichlet alpha per dataset) the sample-weighted local
@@ -402,6 +380,8 @@ class FedTSPLayout(Layout):
     name = "fedtsp"
 
     def table(self, records, spec):
+        from raysim.evaluation import fedtsp_round_metrics
+
         def score(r: RunRecord) -> dict[str, float]:
             per_round = fedtsp_round_metrics(r.out_dir / "client_results.csv")
             if not per_round:
@@ -432,6 +412,8 @@ class FedTSPLayout(Layout):
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
+        from raysim.evaluation import fedtsp_round_metrics
 
         cells = spec.cells()
         paths = []

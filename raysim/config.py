@@ -67,10 +67,12 @@ class DataConfig:
     dataset: str = "synthetic"
     data_root: str = field(default="./data", metadata=RESUMABLE)  # folder holding real datasets (README "Datasets")
     download: bool = field(default=False, metadata=RESUMABLE)  # let torchvision download datasets that support it
-    partition: str = "pathological"  # a registered partitioner: pathological | dirichlet | domain | iid
-    beta: float = 0.5  # Dirichlet concentration (dirichlet and domain partitions)
+    partition: str = "pathological"  # a registered partitioner: pathological | dirichlet | domain | iid | pfllib
+    beta: float = 0.5  # Dirichlet concentration (dirichlet, domain and pfllib partitions)
     shots: int = 16  # training images per class per client (0 = all)
-    min_samples: int = 10  # dirichlet: redraw until every client has this many train and test samples
+    # redraw the Dirichlet split until every client has this many samples; 0 = the partition's default:
+    # dirichlet 10 train and 10 test samples, pfllib 40 samples in all (PFLlib's least_samples)
+    min_samples: int = 0
 
 
 @dataclass
@@ -410,6 +412,9 @@ def _validate_data(d: DataConfig) -> None:
     _check(d.partition in PARTITIONERS, f"data.partition must be one of {', '.join(PARTITIONERS.names())}, got {d.partition!r}")
     _check(d.beta > 0 and math.isfinite(d.beta), f"data.beta must be a positive number, got {d.beta}")
     _check(d.shots >= 0, f"data.shots must be >= 0 (0 = use all training images), got {d.shots}")
+    _check(d.min_samples >= 0, f"data.min_samples must be >= 0 (0 = the partition's default), got {d.min_samples}")
+    _check(d.partition != "pfllib" or d.shots == 0,
+           f"data.partition=pfllib is PFLlib's protocol, which keeps every sample of each client; set data.shots=0 (got {d.shots})")
 
 
 def _validate_train(t: TrainConfig) -> None:

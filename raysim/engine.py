@@ -19,7 +19,7 @@ import numpy as np
 from raysim.config import RunConfig, build_config, load_yaml
 from raysim.data.federation import FederationData
 from raysim.errors import ConfigError, RunFolderLocked
-from raysim.metrics import RunLogger, harmonic_mean, summarize, summary_table
+from raysim.metrics import RunLogger, harmonic_mean, summary_table
 from raysim.sampling import participants
 from raysim.store import LOCK_NAME, RunLock, StateStore
 
@@ -47,6 +47,7 @@ def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationDat
     `needs` is the method's declared `Needs` (input kind and size, image tokens)."""
     from raysim.data import DATASETS, LoadSpec, PartitionSpec, partition
     from raysim.data.features import cached_image_features
+    from raysim.data.partition import is_pooled
     from raysim.models.clip import ModelSpec, load_clip, register_builtin_configs, resolve_device
 
     register_builtin_configs()
@@ -93,16 +94,25 @@ def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationDat
                 )
     else:
         xtr, xte = materialize_images(bundle.train.images), materialize_images(bundle.test.images)
+    x_train, x_test = xtr.numpy(), xte.numpy()  # features (N, D) or images (N, 3, S, S)
+    y_train, y_test = bundle.train.labels.astype(np.int64), bundle.test.labels.astype(np.int64)
+    tok_train = None if ttr is None else ttr.numpy()  # (N, K, width) float16, only when asked for
+    tok_test = None if tte is None else tte.numpy()
+    if is_pooled(cfg.data.partition):  # the split's indices point into train + test merged (partition=pfllib)
+        x_train = x_test = np.concatenate([x_train, x_test])
+        y_train = y_test = np.concatenate([y_train, y_test])
+        if tok_train is not None and tok_test is not None:
+            tok_train = tok_test = np.concatenate([tok_train, tok_test])
     return FederationData(
-        x_train=xtr.numpy(),  # features (N, D) or images (N, 3, S, S)
-        y_train=bundle.train.labels.astype(np.int64),
-        x_test=xte.numpy(),
-        y_test=bundle.test.labels.astype(np.int64),
+        x_train=x_train,
+        y_train=y_train,
+        x_test=x_test,
+        y_test=y_test,
         train_idx=[s.train for s in splits],
         test_idx=[s.test for s in splits],
         classnames=list(bundle.classnames),
-        tok_train=None if ttr is None else ttr.numpy(),  # (N, K, width) float16, only when asked for
-        tok_test=None if tte is None else tte.numpy(),
+        tok_train=tok_train,
+        tok_test=tok_test,
     )
 
 
@@ -311,11 +321,11 @@ def _one_round(
 
 def _finish(cfg: RunConfig, out_dir: Path, logger: RunLogger, hparams: dict[str, Any], rows: list[dict[str, Any]],
             info: dict[str, Any]) -> RunResult:
-    summary = summarize(out_dir / "results.csv", last=max(1, cfg.eval.last))
+    from raysim.evaluation import PROTOCOLS
+
+    protocol = PROTOCOLS.get(cfg.eval.protocol)  # the protocol says how a run is summarised
+    summary = protocol.summarize(out_dir, last=max(1, cfg.eval.last))
     logger.close(final_metrics=summary, hparams=hparams)
     title = f"{cfg.method} on {cfg.data.dataset} ({cfg.data.partition}, {cfg.train.num_clients} clients)"
-    (out_dir / "summary.md").write_text(
-        summary_table([(cfg.method, summary)], title=title)
-        + f"\nMean of the last {int(summary.get('rounds_averaged', 0))} evaluated rounds; accuracies in %.\n"
-    )
+    (out_dir / "summary.md").write_text(protocol.markdown(cfg.method, summary, title=title))
     return RunResult(out_dir, summary, rows, info)

@@ -3,13 +3,20 @@
 A protocol is built once per client host from the federation's test set and who owns each row, and
 scores one client's predictor. `in_cross` is FedSEPT's protocol (SPEC 1.10): In-Client accuracy on the
 client's own test split, Cross-Client accuracy on all other clients' test splits (top-1 and top-5).
-Other papers' protocols (FedTSP's sample-weighted local accuracy, VPDR's per-domain accuracy) register
-here too, and the run picks one with `evaluation=NAME`.
+Other papers' protocols register here too (`fedtsp`: FedTSP's sample-weighted local accuracy at the best
+round and its "global accuracy"), and the run picks one with `eval.protocol=NAME`.
+
+A protocol also says how a finished run is summarised (`summarize(run_dir, last=...)`, the numbers in
+RunResult.summary and summary.md, and `markdown`), so a comparison command that reads run folders can ask
+the protocol of each run for its numbers.
 """
 
 from __future__ import annotations
 
+import csv
 import math
+from collections import defaultdict
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -28,6 +35,22 @@ class Protocol:
 
     def score(self, client_id: int, predict: Callable[..., Tensor]) -> dict[str, Any]:
         raise NotImplementedError
+
+    # -- a finished run's numbers ---------------------------------------------------------------
+    @classmethod
+    def summarize(cls, run_dir: str | Path, *, last: int = 5) -> dict[str, float]:
+        """SPEC 1.10: the mean In-Client / Cross-Client accuracy of the last `last` evaluated rounds (from
+        results.csv), HM of the two means."""
+        from raysim.metrics import summarize
+
+        return summarize(Path(run_dir) / "results.csv", last=last)
+
+    @classmethod
+    def markdown(cls, method: str, summary: dict[str, float], title: str = "") -> str:
+        from raysim.metrics import summary_table
+
+        return (summary_table([(method, summary)], title=title)
+                + f"\nMean of the last {int(summary.get('rounds_averaged', 0))} evaluated rounds; accuracies in %.\n")
 
 
 PROTOCOLS: Registry[type[Protocol]] = Registry("evaluation protocol")
@@ -82,3 +105,87 @@ class InCross(Protocol):
             "n_in": int(own.sum()),
             "n_cross": int((~own).sum()),
         }
+
+
+# ------------------------------------------------------------------------------------ FedTSP's protocol
+def fedtsp_round_metrics(client_csv: str | Path) -> dict[int, dict[str, float]]:
+    """{round: {local, global, local_top5, global_top5}} from a run's client_results.csv (fedtsp.txt
+    section 4, SPEC 2.6):
+
+    local  = sum over clients of correct predictions on their own test split / sum of their test samples
+             (sample-weighted: PFLlib's evaluate());
+    global = the mean over clients of each client model's accuracy on the union of all clients' test
+             splits (own split and everyone else's: (in n_in + cross n_cross) / (n_in + n_cross)).
+    Clients without test samples count nowhere."""
+    by_round: dict[int, list[dict[str, str]]] = defaultdict(list)
+    with open(client_csv, newline="") as f:
+        for r in csv.DictReader(f):
+            by_round[int(r["round"])].append(r)
+
+    def num(v: str) -> float:
+        return float(v) if v not in ("", None) else 0.0  # an empty split has no accuracy and no weight
+
+    out: dict[int, dict[str, float]] = {}
+    for rnd, rows in sorted(by_round.items()):
+        m: dict[str, float] = {}
+        for suffix, (a_in, a_cross) in {"": ("in_client", "cross_client"), "_top5": ("in_top5", "cross_top5")}.items():
+            n_in = sum(int(r["n_in"]) for r in rows)
+            hits_in = sum(num(r[a_in]) * int(r["n_in"]) for r in rows)
+            glob = [(num(r[a_in]) * int(r["n_in"]) + num(r[a_cross]) * int(r["n_cross"])) / (int(r["n_in"]) + int(r["n_cross"]))
+                    for r in rows if int(r["n_in"]) + int(r["n_cross"]) > 0]
+            m["local" + suffix] = hits_in / n_in if n_in else math.nan
+            m["global" + suffix] = float(np.mean(glob)) if glob else math.nan
+        out[rnd] = m
+    return out
+
+
+@register_protocol
+class FedTSPEval(InCross):
+    """FedTSP's protocol (SPEC 2.6 / 2.10.6): each client is scored as by `in_cross` (its own test split
+    and everyone else's, top-1 and top-5), and a run is summarised by the best evaluated round of the
+    sample-weighted local accuracy, with the "global accuracy" (each client model on the union of all
+    test splits, averaged over clients) at that round and at its own best round. The In / Cross / HM
+    means of the last evaluated rounds are kept alongside, so everything reading them still works."""
+
+    name = "fedtsp"
+
+    @classmethod
+    def summarize(cls, run_dir: str | Path, *, last: int = 5) -> dict[str, float]:
+        out = dict(InCross.summarize(run_dir, last=last))
+        path = Path(run_dir) / "client_results.csv"
+        per_round = fedtsp_round_metrics(path) if path.is_file() else {}
+        per_round = {r: m for r, m in per_round.items() if math.isfinite(m["local"])}
+        if not per_round:
+            return {**out, "local": math.nan, "best_round": math.nan, "global": math.nan, "global_best": math.nan,
+                    "local_top5": math.nan, "global_top5": math.nan}
+        best = max(per_round, key=lambda r: (per_round[r]["local"], -r))  # the earliest of equal bests
+        m = per_round[best]
+        return {
+            **out,
+            "local": m["local"],  # the number fedtsp.txt reports (best round)
+            "best_round": float(best),
+            "global": m["global"],  # global accuracy at that round
+            "global_best": max(v["global"] for v in per_round.values()),
+            "local_top5": m["local_top5"],
+            "global_top5": m["global_top5"],
+            "local_last": per_round[max(per_round)]["local"],
+        }
+
+    @classmethod
+    def markdown(cls, method: str, summary: dict[str, float], title: str = "") -> str:
+        from raysim.metrics import markdown_table
+
+        def pct(k: str) -> str:
+            v = summary.get(k, math.nan)
+            return f"{100 * v:.2f}" if math.isfinite(v) else "-"
+
+        best = summary.get("best_round", math.nan)
+        table = markdown_table(
+            ["Method", "Local (best)", "Global (at best)", "Global (best)", "Local top-5", "Best round"],
+            [[method, pct("local"), pct("global"), pct("global_best"), pct("local_top5"),
+              str(int(best) + 1) if math.isfinite(best) else "-"]],
+            title=title,
+        )
+        return table + ("\nFedTSP's protocol (fedtsp.txt section 4): local = sample-weighted accuracy over all clients' "
+                        "own test splits at the best evaluated round (1-based); global = each client model on the union "
+                        "of the test splits, averaged over clients; accuracies in %.\n")

@@ -15,7 +15,11 @@ from raysim.methods.base import ClientData
 
 @dataclass
 class FederationData:
-    """Inputs of every client (features or images), labels, and the partition (numpy, zero-copy in Ray)."""
+    """Inputs of every client (features or images), labels, and the partition (numpy, zero-copy in Ray).
+
+    Under a pooled partition (partition=pfllib) the official train and test sets are merged: `x_train`
+    and `x_test` are then the same pool array (and so are the labels), and a client's train and test
+    indices are disjoint rows of it."""
 
     x_train: np.ndarray
     y_train: np.ndarray

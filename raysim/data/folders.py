@@ -55,6 +55,10 @@ LAYOUTS: dict[str, str] = {
     "or DATA_ROOT/Office-Caltech-10/<domain>/<class>/*",
     "domainnet": "DATA_ROOT/DomainNet/{clipart,infograph,painting,quickdraw,real,sketch}/<class>/* "
     "(a doubled <domain>/<domain>/ level is accepted; the first 100 classes in sorted order are kept)",
+    "tiny_imagenet": "DATA_ROOT/tiny-imagenet-200/train/<wnid>/images/*.JPEG and DATA_ROOT/tiny-imagenet-200/val/ "
+    "as released (val/images/*.JPEG with val/val_annotations.txt) or re-organised into val/<wnid>/[images/]*.JPEG; "
+    "class names from tinyimagenet_classes_sorted_lex.csv (\"Class Label\" column) or words.txt beside train/ "
+    "(DATA_ROOT/rawdata/TinyImagenet/tiny-imagenet-200, FedTSP's place, is accepted too)",
 }
 
 
@@ -425,5 +429,116 @@ def _load_domains(name: str, spec: LoadSpec) -> DatasetBundle:
 
 for _name in DOMAIN:
     _register(_name, _load_domains, "by domain")
+
+
+# --------------------------------------------------------------------------------------------------
+# Tiny-ImageNet (DATA_ROOT/tiny-imagenet-200, SPEC section 4)
+# --------------------------------------------------------------------------------------------------
+
+TINY_FOLDERS = ("tiny-imagenet-200", os.path.join("rawdata", "TinyImagenet", "tiny-imagenet-200"))
+TINY_CLASS_CSV = "tinyimagenet_classes_sorted_lex.csv"  # FedTSP's class-name file ("Class Label" column, wnid order)
+
+
+def _tiny_classnames(base: str, wnids: list[str]) -> tuple[list[str], str]:
+    """Human-readable names in wnid order: FedTSP's CSV (its "Class Label" column, rows in sorted wnid
+    order), else the first name of each wnid in words.txt, else the wnid itself; and where they came from."""
+    import csv
+
+    for folder in (base, os.path.dirname(base)):
+        path = os.path.join(folder, TINY_CLASS_CSV)
+        if os.path.isfile(path):
+            with open(path, newline="", encoding="utf-8") as fh:
+                rows = list(csv.DictReader(fh))
+            if not rows or "Class Label" not in rows[0]:
+                raise _missing("tiny_imagenet", f"{path} has no \"Class Label\" column")
+            if len(rows) != len(wnids):
+                raise _missing("tiny_imagenet", f"{path} names {len(rows)} classes, train/ has {len(wnids)}")
+            return [_pretty(r["Class Label"]) for r in rows], path
+    words = os.path.join(base, "words.txt")
+    if os.path.isfile(words):
+        names: dict[str, str] = {}
+        with open(words, encoding="utf-8") as fh:
+            for line in fh:
+                wnid, _, text = line.rstrip("\n").partition("\t")
+                names[wnid.strip()] = text.split(",")[0].strip()
+        return [_pretty(names.get(w) or w) for w in wnids], words
+    return list(wnids), "wnids"
+
+
+def _tiny_val(base: str, wnids: list[str]) -> tuple[list[str], list[int], str]:
+    """The labelled val split: class folders val/<wnid>/[images/]* (ImageFolder, as FedTSP re-organises
+    it), or the release's val/images/* with val/val_annotations.txt (file, wnid, box)."""
+    val = os.path.join(base, "val")
+    index = {w: i for i, w in enumerate(wnids)}
+    if not os.path.isdir(val):
+        raise _missing("tiny_imagenet", f"folder {val} not found")
+    subs = [d for d in _subdirs(val) if d != "images"]
+    if subs:
+        if set(subs) != set(wnids):
+            extra, lacking = sorted(set(subs) - set(wnids))[:5], sorted(set(wnids) - set(subs))[:5]
+            raise _missing("tiny_imagenet", f"class folders of {val} differ from train/: extra {extra}, lacking {lacking}")
+        paths, labels = [], []
+        for w in wnids:
+            for f in _image_files(os.path.join(val, w)):
+                paths.append(f)
+                labels.append(index[w])
+        return paths, labels, "folders"
+    ann = os.path.join(val, "val_annotations.txt")
+    if not os.path.isfile(ann):
+        raise _missing("tiny_imagenet", f"{val} has neither class folders nor val_annotations.txt")
+    paths, labels = [], []
+    with open(ann, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            parts = line.split("\t")
+            if len(parts) < 2 or not line.strip():
+                continue
+            fname, wnid = parts[0].strip(), parts[1].strip()
+            if wnid not in index:
+                raise _missing("tiny_imagenet", f"{ann} line {n} names class {wnid!r}, which has no train/ folder")
+            path = os.path.join(val, "images", fname)
+            if not os.path.isfile(path):
+                raise _missing("tiny_imagenet", f"image {path} listed in {ann} not found")
+            paths.append(path)
+            labels.append(index[wnid])
+    order = sorted(range(len(paths)), key=lambda i: (labels[i], paths[i]))  # ImageFolder order, like the folders layout
+    return [paths[i] for i in order], [labels[i] for i in order], "val_annotations"
+
+
+@register_dataset("tiny_imagenet")
+def load_tiny_imagenet(spec: LoadSpec) -> DatasetBundle:
+    """Tiny-ImageNet (200 classes, 64x64): train/ (100k images) as the train set, the labelled val/ (10k)
+    as the test set; classes in sorted wnid order (ImageFolder's); deterministic resize+center-crop
+    transform. FedTSP merges both and re-splits them per client (partition=pfllib)."""
+    root = _root(spec)
+    base = next((os.path.join(root, f) for f in TINY_FOLDERS if os.path.isdir(os.path.join(root, f, "train"))), None)
+    if base is None:
+        raise _missing("tiny_imagenet", f"folder {os.path.join(root, TINY_FOLDERS[0], 'train')} not found")
+    train_dir = os.path.join(base, "train")
+    wnids = _subdirs(train_dir)
+    if not wnids:
+        raise _missing("tiny_imagenet", f"no class folders in {train_dir}")
+    tr_paths, tr_labels = [], []
+    for y, w in enumerate(wnids):
+        files = _image_files(os.path.join(train_dir, w))
+        if not files:
+            raise _missing("tiny_imagenet", f"no image files ({', '.join(IMG_EXTENSIONS)}) under {os.path.join(train_dir, w)}")
+        tr_paths += files
+        tr_labels += [y] * len(files)
+    te_paths, te_labels, val_layout = _tiny_val(base, wnids)
+    if not te_paths:
+        raise _missing("tiny_imagenet", f"no labelled images in {os.path.join(base, 'val')}")
+    classnames, names_from = _tiny_classnames(base, wnids)
+    tf_name = "resize-centercrop"
+    transform = make_transform(tf_name, spec)
+    files = [os.path.relpath(p, base) for p in tr_paths] + [f"{os.path.relpath(p, base)}:{y}" for p, y in zip(te_paths, te_labels)]
+    return DatasetBundle(
+        name="tiny_imagenet",
+        classnames=classnames,
+        train=_subset(tr_paths, tr_labels, None, transform),
+        test=_subset(te_paths, te_labels, None, transform),
+        signature=make_signature("tiny_imagenet", base, files, len(files), spec, tf_name),
+        meta={"root": base, "transform": tf_name, "val_layout": val_layout, "classnames_from": names_from, "wnids": wnids},
+    )
+
 
 __all__ = ["LAYOUTS", "COOP", "DOMAIN", "ImageItems", "make_transform", "make_signature"]

@@ -1,7 +1,11 @@
-"""Split a dataset over clients: pathological, Dirichlet label skew, domain + Dirichlet, IID; few-shot caps.
+"""Split a dataset over clients: pathological, Dirichlet label skew, domain + Dirichlet, IID, PFLlib's
+protocol; few-shot caps.
 
 Each partitioner returns one `ClientSplit` per client: indices into the train set and into the test
-set. Train indices are disjoint across clients and so are test indices.
+set. Train indices are disjoint across clients and so are test indices. A partitioner registered with
+`register_pooled` (pfllib) splits the merged pool instead, train rows then test rows
+(`pooled_labels(spec)`): its train and test indices both point into that pool, and the engine hands
+the methods the pool as both the train and the test array (`is_pooled`).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ class PartitionSpec:
     seed: int
     beta: float = 0.5
     shots: int = 0  # per (client, class) cap on training images; 0 = no cap
-    min_samples: int = 10
+    min_samples: int = 0  # 0 = the partition's own default (dirichlet 10, pfllib 40)
     train_domains: Optional[np.ndarray] = None
     test_domains: Optional[np.ndarray] = None
 
@@ -44,11 +48,33 @@ class PartitionSpec:
 Partitioner = Callable[[PartitionSpec], list[ClientSplit]]
 PARTITIONERS: Registry[Partitioner] = Registry("partition")
 
+DIRICHLET_MIN_SAMPLES = 10  # dirichlet's default data.min_samples (train and test samples per client)
+POOLED: set[str] = set()  # partitions whose indices point into the merged train + test pool
+
+
+def register_pooled(name: str) -> Callable[[Partitioner], Partitioner]:
+    """Register a partitioner of the merged pool (train rows, then test rows)."""
+    def deco(fn: Partitioner) -> Partitioner:
+        POOLED.add(name.lower())
+        return PARTITIONERS.register(name)(fn)
+
+    return deco
+
+
+def is_pooled(kind: str) -> bool:
+    """Whether partition `kind` splits the merged train + test pool (its indices point into the pool)."""
+    return str(kind).lower() in POOLED
+
+
+def pooled_labels(spec: PartitionSpec) -> np.ndarray:
+    """The labels of the merged pool: the official train set's rows, then the test set's."""
+    return np.concatenate([spec.train_labels, spec.test_labels])
+
 
 def partition(kind: str, spec: PartitionSpec) -> list[ClientSplit]:
     splits = PARTITIONERS.get(kind)(spec)
     if spec.shots > 0:
-        splits = few_shot(splits, spec.train_labels, spec.shots, spec.seed)
+        splits = few_shot(splits, pooled_labels(spec) if is_pooled(kind) else spec.train_labels, spec.shots, spec.seed)
     return [ClientSplit(np.sort(s.train).astype(np.int64), np.sort(s.test).astype(np.int64)) for s in splits]
 
 
@@ -161,7 +187,7 @@ def dirichlet(spec: PartitionSpec) -> list[ClientSplit]:
         [np.flatnonzero(spec.test_labels == c) for c in range(C)],
         spec.num_clients,
         spec.beta,
-        spec.min_samples,
+        spec.min_samples or DIRICHLET_MIN_SAMPLES,
         rng,
         "dirichlet",
     )
@@ -191,7 +217,7 @@ def domain(spec: PartitionSpec) -> list[ClientSplit]:
             [np.flatnonzero(te_d & (spec.test_labels == c)) for c in range(C)],
             per,
             spec.beta,
-            min(spec.min_samples, 2),
+            min(spec.min_samples or DIRICHLET_MIN_SAMPLES, 2),
             rng,
             "domain",
         )
@@ -204,3 +230,59 @@ def iid(spec: PartitionSpec) -> list[ClientSplit]:
     tr = np.array_split(rng.permutation(len(spec.train_labels)), spec.num_clients)
     te = np.array_split(rng.permutation(len(spec.test_labels)), spec.num_clients)
     return [ClientSplit(a, b) for a, b in zip(tr, te)]
+
+
+# ------------------------------------------------------------------------------------ PFLlib's protocol
+PFLLIB_TRAIN_SHARE = 0.75  # PFLlib's train_ratio: each client's pool is split 75 / 25 into train / test
+PFLLIB_MIN_SAMPLES = 40  # PFLlib's least_samples: batch_size 10 / (1 - train_ratio), so every client tests on a batch
+
+
+def pfllib_min_samples(spec: PartitionSpec) -> int:
+    """PFLlib's least_samples = int(min(40, N / K / 2)); data.min_samples > 0 replaces the 40."""
+    n = len(spec.train_labels) + len(spec.test_labels)
+    return int(min(spec.min_samples or PFLLIB_MIN_SAMPLES, n / spec.num_clients / 2))
+
+
+def pfllib_dirichlet(labels: np.ndarray, num_clients: int, beta: float, least: int, rng: np.random.Generator,
+                     max_draws: int = 1000) -> list[np.ndarray]:
+    """PFLlib's "dir" partition (dataset_utils.separate_data) of pool indices: per class, shuffle its
+    indices and draw p ~ Dir(beta 1_K); clients already holding N/K samples or more get none of it
+    (p_k zeroed, p renormalised); the class is cut at cumsum(p) * n_c. Redrawn until every client holds at
+    least `least` samples."""
+    N, K = len(labels), int(num_clients)
+    classes = np.unique(labels)
+    for _ in range(max_draws):
+        parts: list[list[np.ndarray]] = [[] for _ in range(K)]
+        sizes = np.zeros(K, dtype=np.int64)
+        for c in classes:
+            idx = rng.permutation(np.flatnonzero(labels == c))
+            p = rng.dirichlet(np.full(K, beta))
+            p = p * (sizes < N / K)
+            p = p / p.sum() if p.sum() > 0 else np.full(K, 1.0 / K)
+            cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
+            for k, part in enumerate(np.split(idx, cuts)):
+                parts[k].append(part)
+                sizes[k] += len(part)
+        if sizes.min() >= least:
+            return [np.concatenate(p) for p in parts]
+    raise ConfigError(
+        f"partition=pfllib could not give every client {least} samples in {max_draws} Dirichlet draws; "
+        "raise data.beta, lower train.num_clients, or lower data.min_samples."
+    )
+
+
+@register_pooled("pfllib")
+def pfllib(spec: PartitionSpec) -> list[ClientSplit]:
+    """PFLlib's data protocol (SPEC 2.6, used by fedtsp.txt): merge the official train and test sets, split
+    the pool over the clients with `pfllib_dirichlet` (alpha = data.beta, at least `pfllib_min_samples`
+    per client), then split each client's samples, shuffled, into floor(0.75 n) train and the rest test
+    (sklearn's train_test_split(train_size=0.75), as PFLlib). The same procedure as PFLlib, not PFLlib's
+    random draws (it seeds numpy's global generator; here the stream is the run's seed)."""
+    labels = pooled_labels(spec)
+    rng = np.random.default_rng([spec.seed, 5])
+    out = []
+    for idx in pfllib_dirichlet(labels, spec.num_clients, spec.beta, pfllib_min_samples(spec), rng):
+        idx = rng.permutation(idx)
+        n_train = int(np.floor(PFLLIB_TRAIN_SHARE * len(idx)))
+        out.append(ClientSplit(idx[:n_train], idx[n_train:]))
+    return out

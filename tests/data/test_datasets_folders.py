@@ -45,7 +45,7 @@ def check_image(ds, i=0):
 def test_registered_and_layouts():
     names = set(dataset_names())
     expected = {"cifar10", "cifar100", "caltech101", "oxford_pets", "flowers102", "food101", "dtd", "pacs",
-                "office31", "officehome", "office_caltech10", "domainnet"}
+                "office31", "officehome", "office_caltech10", "domainnet", "tiny_imagenet"}
     assert expected <= names
     assert expected == set(folders.LAYOUTS)
 

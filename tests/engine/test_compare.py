@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from raysim.compare import CompareSpec, Entry, Table, fedtsp_round_metrics, parse_entry, parse_grid
+from raysim.compare import CompareSpec, Entry, Table, parse_entry, parse_grid
 
 TINY = ["data.dataset=digits", "data.shots=8", "model.name=raysim-tiny", "model.pretrained=", "train.num_clients=3",
         "train.n_ctx=4", "execution.backend=inline", "output.tensorboard=false"]
@@ -32,18 +32,6 @@ def test_marks_follow_the_papers():
     p = Table(["AVG", "STD"], ["x:igpp", "x:vpdr", "y:igpp", "y:vpdr"], [[0.5, 0.1], [0.6, 0.2], [0.8, 0.05], [0.7, 0.01]],
               marks="pairs", higher_better=[True, False], groups=["x", "x", "y", "y"])
     assert p.ranks() == [[0, 1], [1, 0], [1, 0], [0, 1]]
-
-
-def test_fedtsp_metrics_are_sample_weighted(tmp_path):
-    path = tmp_path / "client_results.csv"
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, ["round", "client", "in_client", "cross_client", "n_in", "n_cross"])
-        w.writeheader()
-        w.writerow({"round": 0, "client": 0, "in_client": 0.5, "cross_client": 0.25, "n_in": 10, "n_cross": 30})
-        w.writerow({"round": 0, "client": 1, "in_client": 1.0, "cross_client": 0.0, "n_in": 30, "n_cross": 10})
-    m = fedtsp_round_metrics(path)[0]
-    assert m["local"] == pytest.approx((5 + 30) / 40)  # 35 of 40 own test samples, not the mean 0.75
-    assert m["global"] == pytest.approx(((5 + 7.5) / 40 + 30 / 40) / 2)
 
 
 def test_compare_writes_the_table_resumes_and_refuses_changed_settings(tmp_path, capsys):
