@@ -59,6 +59,7 @@ class FedSEPTOptions:
     fusion: str = "logit"  # logit (Eq. 9) | prompt (FedSEPT-PF)
     cache_text: bool = True  # False = FedSEPT-NC: expert text features recomputed for every batch
     basis_seed: int = 1  # public seed of B0
+    basis: str = "gaussian"  # gaussian: B0 ~ N(0, 0.02^2) (SPEC 1.2, the official code) | orthonormal: orthonormal rows (analysis)
     div_outside_dp: bool = False  # True: L_div's gradient added after DP-SGD's clipping and noise (it is data-independent)
 
     def validate(self) -> None:
@@ -76,6 +77,7 @@ class FedSEPTOptions:
         check(0 <= self.router_dropout < 1, f"fedsept.router_dropout must be in [0, 1), got {self.router_dropout}")
         check(self.variant in VARIANTS, f"fedsept.variant must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
         check(self.fusion in ("logit", "prompt"), f"fedsept.fusion must be logit or prompt, got {self.fusion!r}")
+        check(self.basis in ("gaussian", "orthonormal"), f"fedsept.basis must be gaussian or orthonormal, got {self.basis!r}")
 
 
 @register_method
@@ -123,7 +125,7 @@ class FedSEPT(ClipPromptMethod):
             return None
         B0 = getattr(self, "B0", None)
         if B0 is None or B0.shape != (self.opts.rank, env.ctx_width) or B0.device != env.device:
-            self.B0 = B0 = public_basis(self.opts.basis_seed, self.opts.rank, env.ctx_width).to(env.device)
+            self.B0 = B0 = public_basis(self.opts.basis_seed, self.opts.rank, env.ctx_width, kind=self.opts.basis).to(env.device)
         return B0
 
     # -- server half -------------------------------------------------------------------------

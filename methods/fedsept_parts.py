@@ -15,12 +15,20 @@ from raysim.errors import ConfigError
 
 # -- SEM: P_m = A_m B0 + R (Eq. 5) --------------------------------------------------------------
 
-def public_basis(seed: int, rank: int, width: int) -> Tensor:
-    """B0 ~ N(0, 0.02^2), shape (r, w), from a public seed only: every host that calls this with the
-    same arguments gets the bit-identical basis (drawn on the CPU, never orthonormalised)."""
+def public_basis(seed: int, rank: int, width: int, kind: str = "gaussian") -> Tensor:
+    """B0, shape (r, w), from a public seed only: every host that calls this with the same arguments gets
+    the bit-identical basis (drawn on the CPU). "gaussian": N(0, 0.02^2), never orthonormalised (SPEC 1.2,
+    the official code); then a step on A moves P = A B0 by lr * g B0^T B0, whose nonzero eigenvalues are
+    about w * 0.02^2 (0.15 at w = 384), inside a 16-dim subspace. "orthonormal": the same draw with its rows
+    orthonormalised (QR; identical on hosts with the same torch build), so the step is g's projection on
+    that subspace (an analysis option: benchmarks/fedsept_offline_analysis.py)."""
     g = torch.Generator(device="cpu")
     g.manual_seed(int(seed))
-    return torch.randn(rank, width, generator=g, dtype=torch.float32) * 0.02
+    B0 = torch.randn(rank, width, generator=g, dtype=torch.float32) * 0.02
+    if kind == "orthonormal":
+        Q, _ = torch.linalg.qr(B0.t())  # (w, r), orthonormal columns spanning B0's row space
+        B0 = Q.t().contiguous()
+    return B0
 
 
 def expert_prompts(A: Tensor, experts: int, B0: Optional[Tensor], R: Optional[Tensor]) -> Tensor:

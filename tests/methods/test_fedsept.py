@@ -261,3 +261,18 @@ def test_engine_run_with_dp_stays_within_budget(tmp_path):
     eps = pd.read_csv(tmp_path / "r" / "client_results.csv")["epsilon"]
     assert len(eps) > 0 and (eps > 0).all() and (eps <= 1.0 + 1e-9).all()
     assert math.isfinite(result.summary["hm"])
+
+
+def test_orthonormal_basis_spans_the_gaussian_basis_rows():
+    """fedsept.basis=orthonormal (an analysis option) keeps B0's row space and makes the rows orthonormal,
+    so a step on A moves P by g's projection on that space; the default stays the official N(0, 0.02^2)."""
+    import torch
+
+    from raysim.methods.fedsept_parts import public_basis
+
+    G = public_basis(1, 16, 384)
+    Q = public_basis(1, 16, 384, kind="orthonormal")
+    assert abs(float(G.std()) - 0.02) < 0.002  # 6,144 draws: the std estimate is within ~1% (2e-4)
+    assert torch.allclose(Q @ Q.t(), torch.eye(16), atol=1e-5)  # float32 QR: orthonormal to rounding
+    # the same row space: projecting G's rows onto Q's span gives G back
+    assert torch.allclose(G @ Q.t() @ Q, G, atol=1e-6)
