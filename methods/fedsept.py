@@ -59,6 +59,7 @@ class FedSEPTOptions:
     fusion: str = "logit"  # logit (Eq. 9) | prompt (FedSEPT-PF)
     cache_text: bool = True  # False = FedSEPT-NC: expert text features recomputed for every batch
     basis_seed: int = 1  # public seed of B0
+    r_init: str = "zeros"  # zeros: R starts at 0 (SPEC 1.13.1, official) | phrase: at train.ctx_init's embeddings (like PromptFL)
     basis: str = "gaussian"  # gaussian: B0 ~ N(0, 0.02^2) (SPEC 1.2, the official code) | orthonormal: orthonormal rows (analysis)
     div_outside_dp: bool = False  # True: L_div's gradient added after DP-SGD's clipping and noise (it is data-independent)
 
@@ -77,6 +78,7 @@ class FedSEPTOptions:
         check(0 <= self.router_dropout < 1, f"fedsept.router_dropout must be in [0, 1), got {self.router_dropout}")
         check(self.variant in VARIANTS, f"fedsept.variant must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
         check(self.fusion in ("logit", "prompt"), f"fedsept.fusion must be logit or prompt, got {self.fusion!r}")
+        check(self.r_init in ("zeros", "phrase"), f"fedsept.r_init must be zeros or phrase, got {self.r_init!r}")
         check(self.basis in ("gaussian", "orthonormal"), f"fedsept.basis must be gaussian or orthonormal, got {self.basis!r}")
 
 
@@ -111,6 +113,12 @@ class FedSEPT(ClipPromptMethod):
     def needs(self) -> Needs:  # the patch router reads the frozen image tower's tokens as well
         return Needs(input="features", tokens=self.patch_router)
 
+    @property
+    def supports_ctx_init(self) -> bool:  # type: ignore[override]
+        """r_init=phrase starts the private residual from train.ctx_init (a public phrase: no privacy cost),
+        so FedSEPT's first prompt A B0 + R is PromptFL's default first prompt plus A B0 (~1e-3)."""
+        return self.has_residual and self.opts.r_init == "phrase"
+
     # -- frozen parts: the CLIP text side and the public basis -------------------------------
     def build_env(self, spec, *, role: str):
         env = super().build_env(spec, role=role)
@@ -142,7 +150,7 @@ class FedSEPT(ClipPromptMethod):
     def init_private(self, env, data: ClientData, rng):
         private = {}
         if self.has_residual:
-            private["R"] = torch.zeros(self.train.n_ctx, env.ctx_width)
+            private["R"] = env.prompts.initial_context(rng) if self.supports_ctx_init else torch.zeros(self.train.n_ctx, env.ctx_width)
         if self.has_router:
             private["router"] = self._router(env, rng).state_dict()
         return private
