@@ -276,3 +276,20 @@ def test_orthonormal_basis_spans_the_gaussian_basis_rows():
     assert torch.allclose(Q @ Q.t(), torch.eye(16), atol=1e-5)  # float32 QR: orthonormal to rounding
     # the same row space: projecting G's rows onto Q's span gives G back
     assert torch.allclose(G @ Q.t() @ Q, G, atol=1e-6)
+
+
+def test_r_init_phrase_starts_the_residual_at_the_phrase_embeddings():
+    """fedsept.r_init=phrase: R starts at train.ctx_init's token embeddings (the prompt PromptFL starts from),
+    the shared A and the router are drawn as before; r_init=zeros (default, official) keeps R = 0."""
+    cls = get_method("fedsept")
+    spec = EnvSpec(model=ModelSpec("raysim-tiny"), classnames=CLASSES)
+    phrase = cls(TrainConfig(n_ctx=L, ctx_init="a photo of a"), cls.Options(rank=8, r_init="phrase"))
+    penv = phrase.build_env(spec, role="client")
+    R = phrase.init_private(penv, client_data(penv), torch.Generator().manual_seed(1))["R"]
+    assert torch.equal(R, penv.prompts.init_ctx)  # a copy of the phrase's embeddings
+    assert float(R.norm()) > 0
+    plain = cls(TrainConfig(n_ctx=L, ctx_init="a photo of a"), cls.Options(rank=8))
+    zenv = plain.build_env(spec, role="client")
+    assert float(plain.init_private(zenv, client_data(zenv), torch.Generator().manual_seed(1))["R"].abs().sum()) == 0
+    with pytest.raises(ConfigError, match="r_init"):
+        cls.Options(r_init="ones").validate()
