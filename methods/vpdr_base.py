@@ -60,6 +60,9 @@ Hooks a framework overrides (H7's methods/vpdr_frameworks.py wires FPL, FedPLVM,
     predictor(env, shared, private, data)    default logits head(z) of the client's model (no soft clip)
 
 and declares `releases` (default protos + counts), `loss_names` (default ("ce",)), `server_metrics`.
+local_train runs the hooks inside a torch RNG fork seeded from the round's `rng` (dropout draws from the
+global generator): a hook that builds modules on its first call must seed them itself (as
+`ViTAdapterNet` does), or inline, Ray and resumed runs part ways.
 Helpers for them: `model(env, private)`, `train_features(env, model, data)`, `self.dcr`, `self.opts`.
 """
 
@@ -291,8 +294,18 @@ class VPDRMethod(Method):
     # -- the client's round ----------------------------------------------------------------------
     def local_train(self, env: VPDREnv, shared: dict[str, Tensor], private: dict[str, Any], data: ClientData, *,
                     rng: torch.Generator, privacy: Any) -> LocalResult:
-        """(d) E epochs of the framework's loss (+ DCR) with the broadcast state, then (a) the release."""
+        """(d) E epochs of the framework's loss (+ DCR) with the broadcast state, then (a) the release.
+        Dropout draws from torch's global generator, so it is seeded here from `rng` (and restored after),
+        once the model is built (building a backbone may draw from it too, and only on a host's first call)."""
         model = self.model(env, private)
+        seed = int(torch.randint(0, 2**62, (1,), generator=rng))
+        devices = [env.device.index or 0] if env.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            return self._local_train(env, model, shared, private, data, rng=rng, privacy=privacy)
+
+    def _local_train(self, env: VPDREnv, model: ViTAdapterNet, shared: dict[str, Tensor], private: dict[str, Any],
+                     data: ClientData, *, rng: torch.Generator, privacy: Any) -> LocalResult:
         opt = self.optimizer(model, private)
         teacher = self.teacher(model, private) if self.dcr else None
         ctx = self.round_context(env, shared, private, data)

@@ -102,7 +102,20 @@ def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationDat
         classnames=list(bundle.classnames),
         tok_train=None if ttr is None else ttr.numpy(),  # (N, K, width) float16, only when asked for
         tok_test=None if tte is None else tte.numpy(),
+        client_domains=client_domains(bundle, splits),
     )
+
+
+def client_domains(bundle: Any, splits: list[Any]) -> Optional[list[str]]:
+    """Each client's domain name (the most common among its training images), or None without domains."""
+    doms = bundle.train.domains
+    if doms is None or not bundle.domain_names:
+        return None
+    out = []
+    for s in splits:
+        d = doms[s.train] if len(s.train) else doms[:0]
+        out.append(bundle.domain_names[int(np.bincount(d).argmax())] if len(d) else "")
+    return out
 
 
 def metric_columns(method: Any) -> tuple[str, ...]:
@@ -306,11 +319,16 @@ def _one_round(
 
 def _finish(cfg: RunConfig, out_dir: Path, logger: RunLogger, hparams: dict[str, Any], rows: list[dict[str, Any]],
             info: dict[str, Any]) -> RunResult:
+    from raysim.evaluation import PROTOCOLS
+
     summary = summarize(out_dir / "results.csv", last=max(1, cfg.eval.last))
+    extra, extra_md = PROTOCOLS.get(cfg.eval.protocol).summarize_run(out_dir / "client_results.csv", title=cfg.method)
+    summary.update(extra)
     logger.close(final_metrics=summary, hparams=hparams)
     title = f"{cfg.method} on {cfg.data.dataset} ({cfg.data.partition}, {cfg.train.num_clients} clients)"
     (out_dir / "summary.md").write_text(
         summary_table([(cfg.method, summary)], title=title)
         + f"\nMean of the last {int(summary.get('rounds_averaged', 0))} evaluated rounds; accuracies in %.\n"
+        + (f"\n{extra_md}" if extra_md else "")
     )
     return RunResult(out_dir, summary, rows, info)

@@ -10,6 +10,7 @@ here too, and the run picks one with `evaluation=NAME`.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -28,6 +29,12 @@ class Protocol:
 
     def score(self, client_id: int, predict: Callable[..., Tensor]) -> dict[str, Any]:
         raise NotImplementedError
+
+    @classmethod
+    def summarize_run(cls, client_results: Path, *, title: str = "") -> tuple[dict[str, float], str]:
+        """The protocol's own end-of-run summary from client_results.csv: (numbers added to the run's summary,
+        Markdown appended to summary.md). None by default (the In / Cross / HM summary stands alone)."""
+        return {}, ""
 
 
 PROTOCOLS: Registry[type[Protocol]] = Registry("evaluation protocol")
@@ -82,3 +89,72 @@ class InCross(Protocol):
             "n_in": int(own.sum()),
             "n_cross": int((~own).sum()),
         }
+
+
+@register_protocol
+class VPDRProtocol(Protocol):
+    """VPDR's protocol (vpdr.txt tables, SPEC 3.4): every client is tested on its own test split (a shared
+    global test set counts as every client's own), the round's number is the unweighted mean over clients,
+    and the run reports the last round: accuracy per domain (the mean over the domain's clients), AVG and
+    STD over clients (sample standard deviation, ddof = 1, which reproduces the paper's STD column from
+    its per-domain accuracies, e.g. Office-Caltech FedProto+IGPP 6.62). Cross-Client is not measured (nan)."""
+
+    name = "vpdr"
+
+    def __init__(self, data: FederationData, *, batch_size: int) -> None:
+        super().__init__(data, batch_size=batch_size)
+        self.x, self.y = as_tensor(data.x_test), as_tensor(data.y_test)
+        self.test_idx = [as_tensor(np.asarray(t, dtype=np.int64)) for t in data.test_idx]
+        self.domains = list(data.client_domains) if data.client_domains else [""] * len(data.test_idx)
+
+    def score(self, client_id: int, predict: Callable[..., Tensor]) -> dict[str, Any]:
+        idx = self.test_idx[client_id]
+        top1 = top5 = 0
+        for i in range(0, len(idx), self.batch_size):
+            rows = idx[i : i + self.batch_size]
+            logits = predict(self.x[rows]).float().cpu()
+            y = self.y[rows]
+            top1 += int((logits.argmax(-1) == y).sum())
+            k = min(5, logits.shape[-1])
+            top5 += int((logits.topk(k, dim=-1).indices == y[:, None]).any(-1).sum())
+        n = len(idx)
+        return {"in_client": top1 / n if n else math.nan, "cross_client": math.nan, "in_top5": top5 / n if n else math.nan,
+                "cross_top5": math.nan, "n_in": n, "n_cross": 0, "domain": self.domains[client_id]}
+
+    @classmethod
+    def summarize_run(cls, client_results: Path, *, title: str = "") -> tuple[dict[str, float], str]:
+        table = vpdr_table(client_results)
+        if not table:
+            return {}, ""
+        from raysim.metrics import markdown_table
+
+        cols = [c for c in table if c not in ("AVG", "STD")]
+        md = markdown_table(["Method", *cols, "AVG", "STD"],
+                            [[title or "method", *(f"{100 * table[c]:.2f}" for c in cols), f"{100 * table['AVG']:.2f}",
+                              f"{100 * table['STD']:.2f}"]],
+                            title="VPDR protocol (last evaluated round; accuracy per domain, AVG and STD over clients, %)")
+        return {"vpdr_avg": table["AVG"], "vpdr_std": table["STD"], **{f"vpdr_{c}": table[c] for c in cols}}, md
+
+
+def vpdr_table(client_results: Path) -> dict[str, float]:
+    """{domain: mean accuracy of its clients, ..., "AVG": mean over clients, "STD": sample std over clients}
+    of the last evaluated round in client_results.csv (domains in their first-seen client order; one column
+    "all" when the clients have no domains)."""
+    import pandas as pd
+
+    path = Path(client_results)
+    if not path.is_file():
+        return {}
+    df = pd.read_csv(path)
+    df = df.dropna(subset=["in_client"])
+    if df.empty:
+        return {}
+    last = df[df["round"] == df["round"].max()].sort_values("client")
+    acc = last["in_client"].astype(float)
+    doms = last["domain"].fillna("").astype(str) if "domain" in last else pd.Series([""] * len(last), index=last.index)
+    out: dict[str, float] = {}
+    for d in dict.fromkeys(doms):
+        out[d or "all"] = float(acc[doms == d].mean())
+    out["AVG"] = float(acc.mean())
+    out["STD"] = float(acc.std(ddof=1)) if len(acc) > 1 else 0.0
+    return out

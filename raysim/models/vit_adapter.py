@@ -12,7 +12,7 @@ module per host: `Backbone`), so a client's model is its adapters and head (`ViT
 Backbones (`load_backbone(spec)`):
 
 - ``raysim-vit`` (default, offline): a small ViT this project pretrains and ships
-  (`raysim/assets/raysim-vit/`, written by `raysim.models.vit_pretrain`), a HF `ViTModel` folder;
+  (`raysim/assets/raysim-vit/`, written by `raysim.models.vit_pretrain`): an open_clip ViT image tower;
 - a local folder holding a `transformers` ViTModel (``config.json`` + weights), e.g.
   ``vit-base-patch16-224-in21k``: any ViT the user has;
 - ``open_clip:NAME[:TAG]``: the visual tower of an open_clip model (TAG a pretrained tag or a checkpoint path);
@@ -215,7 +215,7 @@ def backbone_image_size(spec: str) -> int:
     """The input size of backbone `spec` without loading its weights."""
     spec = spec.strip()
     if spec == BUNDLED_VIT:
-        return int(hf_config_of(VIT_ASSET_DIR).get("image_size", 32))
+        return int(_bundled_config()["vision_cfg"]["image_size"])
     if spec.startswith("open_clip:"):
         import open_clip
 
@@ -234,7 +234,7 @@ def load_backbone(spec: str, *, image_size: int = 32, seed: int = 0) -> Backbone
     """The frozen backbone named by `spec` (see the module docstring)."""
     spec = spec.strip()
     if spec == BUNDLED_VIT:
-        return _hf(VIT_ASSET_DIR, BUNDLED_VIT)
+        return bundled_vit()
     if spec.startswith("open_clip:"):
         import open_clip
 
@@ -248,6 +248,24 @@ def load_backbone(spec: str, *, image_size: int = 32, seed: int = 0) -> Backbone
     if arch in ("resnet18", "resnet34"):
         return TorchvisionResNet(arch, weights, image_size=image_size, seed=seed)
     return _hf(Path(os.path.expanduser(spec)), spec)
+
+
+def _bundled_config() -> dict[str, Any]:
+    path = VIT_ASSET_DIR / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"the shipped {BUNDLED_VIT} backbone is missing ({path}); remake it with python -m raysim.models.vit_pretrain")
+    return json.loads(path.read_text())
+
+
+def bundled_vit() -> OpenClipViT:
+    """The shipped raysim-vit: an open_clip ViT image tower (config.json + visual.pt, raysim/models/vit_pretrain.py)."""
+    from open_clip.model import _build_vision_tower
+
+    cfg = _bundled_config()
+    with torch.random.fork_rng(devices=[]):
+        visual = _build_vision_tower(cfg["embed_dim"], cfg["vision_cfg"])
+    visual.load_state_dict(torch.load(VIT_ASSET_DIR / "visual.pt", map_location="cpu", weights_only=True))
+    return OpenClipViT(visual.float(), BUNDLED_VIT)
 
 
 def _hf(folder: Path, name: str) -> HFViT:
