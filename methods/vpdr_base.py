@@ -198,7 +198,8 @@ class VPDRMethod(Method):
                 f"{self.name} trains adapters and head with AdamW (SPEC 3.1): train.momentum and train.weight_decay do not apply; "
                 f"leave them at their defaults and set {self.name}.lr / {self.name}.weight_decay"
             )
-        self.dp, self.dcr = effective_dp(self.dp, options.privacy, method=self.name)
+        dp_eff, self.dcr = effective_dp(self.dp, options.privacy, method=self.name)
+        self.dp: Any = dp_eff
 
     # -- what the method needs -----------------------------------------------------------------
     def client_configs(self) -> list[ModelConfig]:

@@ -31,7 +31,7 @@ import bz2
 import gzip
 import hashlib
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 from torch.utils.data import ConcatDataset
@@ -144,7 +144,7 @@ def _synth(root: str, train: bool) -> tuple[list[str], np.ndarray, str]:
     return items, np.asarray(labels, dtype=np.int64), folder
 
 
-READERS = {"mnist": _mnist, "usps": _usps, "svhn": _svhn, "synth": _synth}
+READERS: dict[str, Any] = {"mnist": _mnist, "usps": _usps, "svhn": _svhn, "synth": _synth}
 
 
 def train_subset(n: int, fraction: float, seed: int = 0) -> np.ndarray:

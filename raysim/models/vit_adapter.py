@@ -133,7 +133,7 @@ class Backbone(nn.Module):
 class HFViT(Backbone):
     """A `transformers` ViTModel (from a local folder, or a config for a random one)."""
 
-    def __init__(self, model: nn.Module, name: str) -> None:
+    def __init__(self, model: Any, name: str) -> None:
         cfg = model.config
         super().__init__(embed_dim=cfg.hidden_size, block_dims=[cfg.hidden_size] * cfg.num_hidden_layers,
                          image_size=cfg.image_size, name=name)
@@ -153,7 +153,7 @@ class HFViT(Backbone):
 class OpenClipViT(Backbone):
     """The visual tower of an open_clip model (its resblocks hooked; tokens after ln_post)."""
 
-    def __init__(self, visual: nn.Module, name: str) -> None:
+    def __init__(self, visual: Any, name: str) -> None:
         blocks = list(visual.transformer.resblocks)
         width = int(visual.transformer.width)
         size = visual.image_size
@@ -312,6 +312,8 @@ class ViTAdapterNet(nn.Module):
     `features(x)` is z = P(token mean) (512-d); `forward(x)` gives (z, head(z)); `head_logits(z)` runs
     the head alone (DCR feeds it soft-clipped features). `trainable_state()` / `load_trainable()` move the
     client's own weights (the backbone and the seeded projection are rebuilt, never stored)."""
+
+    backbone: Backbone  # shared and frozen, set with object.__setattr__ (not a submodule)
 
     def __init__(self, backbone: Backbone, num_classes: int, *, head: Sequence[int] = (512,), adapter_dim: int = 0,
                  feature_dim: int = FEATURE_DIM, proj_seed: int = 0, init_seed: int = 0, dropout: float = 0.1) -> None:
