@@ -27,6 +27,7 @@ from raysim.methods import (
     local,  # noqa: F401,E402
     pfedmoap,  # noqa: F401,E402
     promptfl,  # noqa: F401,E402
+    vpdr_fedproto,  # noqa: F401,E402
     zeroshot,  # noqa: F401,E402
 )
 from raysim.methods.base import (

@@ -305,7 +305,15 @@ def resolve_all(releases: dict[str, ReleaseSpec], dp: Any, *, method: str) -> di
 
 
 def check_method(method: Any, dp: Any) -> None:
-    """Config-time check: every upload `method` declares can be released privately under `dp`."""
+    """Config-time check: every upload `method` declares can be released privately under `dp`, and a
+    prototype mechanism other than the default is only chosen for a method that releases prototypes."""
+    from raysim.config import DPConfig
+
+    if dp.enabled and dp.prototypes != DPConfig.prototypes and not any(s.kind == "prototype" for s in method.releases.values()):
+        raise ConfigError(
+            f"dp.prototypes={dp.prototypes} chooses how prototypes are released, but {method.name} releases no prototypes; "
+            "use a prototype method (fedproto, fedtgp, vpdr_fedproto, ...) or leave dp.prototypes at its default"
+        )
     resolve_all(method.releases, dp, method=method.name)
 
 

@@ -463,29 +463,20 @@ def semantic_structure(r: RunRecord) -> Optional[dict[str, float]]:
 @LAYOUTS.add
 class VPDRLayout(Layout):
     """VPDR's Table 1: per-domain accuracy (the mean over that domain's clients of their own-test accuracy),
-    AVG and STD over clients, at the last round (SPEC 3.4); the better of each pair of rows of one method
-    (e.g. IGPP vs VPDR) in bold. A run without domains has one column `all`."""
+    AVG and STD (sample std, ddof = 1, as the paper's column) over clients, at the last round (SPEC 3.4);
+    the better of each pair of rows of one method (e.g. IGPP vs VPDR) in bold. A run without domains has one column `all`."""
 
     name = "vpdr"
 
     def table(self, records, spec):
+        from raysim.evaluation import vpdr_table
+
         domains: list[str] = []
         scores = {}
         for r in records:
-            rows = r.rows("client_results.csv")
-            last = max(int(x["round"]) for x in rows if x.get("in_client", "") != "")
-            final = [x for x in rows if int(x["round"]) == last and x.get("in_client", "") != ""]
-            per_domain: dict[str, list[float]] = defaultdict(list)
-            for x in final:
-                per_domain[x.get("domain") or "all"].append(float(x["in_client"]))
-            for d in per_domain:
-                if d not in domains:
-                    domains.append(d)
-            accs = [float(x["in_client"]) for x in final]
-            mean = sum(accs) / len(accs)
-            std = math.sqrt(sum((a - mean) ** 2 for a in accs) / len(accs))
-            scores[(r.entry.label, cell_label(r.cell))] = {**{d: sum(v) / len(v) for d, v in per_domain.items()},
-                                                           "AVG": mean, "STD": std}
+            t = vpdr_table(r.out_dir / "client_results.csv")  # the run's protocol numbers (STD ddof = 1)
+            domains += [d for d in t if d not in ("AVG", "STD") and d not in domains]
+            scores[(r.entry.label, cell_label(r.cell))] = t
         metrics = [*domains, "AVG", "STD"]
         t = grid_table(records, spec, metrics, lambda r: scores[(r.entry.label, cell_label(r.cell))], marks="pairs",
                        notes=["Last round; each client tests on its own split; STD over clients (lower is better)."])

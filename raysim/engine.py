@@ -113,7 +113,20 @@ def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationDat
         classnames=list(bundle.classnames),
         tok_train=tok_train,
         tok_test=tok_test,
+        client_domains=client_domains(bundle, splits),
     )
+
+
+def client_domains(bundle: Any, splits: list[Any]) -> Optional[list[str]]:
+    """Each client's domain name (the most common among its training images), or None without domains."""
+    doms = bundle.train.domains
+    if doms is None or not bundle.domain_names:
+        return None
+    out = []
+    for s in splits:
+        d = doms[s.train] if len(s.train) else doms[:0]
+        out.append(bundle.domain_names[int(np.bincount(d).argmax())] if len(d) else "")
+    return out
 
 
 def metric_columns(method: Any) -> tuple[str, ...]:

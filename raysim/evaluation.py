@@ -189,3 +189,84 @@ class FedTSPEval(InCross):
         return table + ("\nFedTSP's protocol (fedtsp.txt section 4): local = sample-weighted accuracy over all clients' "
                         "own test splits at the best evaluated round (1-based); global = each client model on the union "
                         "of the test splits, averaged over clients; accuracies in %.\n")
+
+
+@register_protocol
+class VPDRProtocol(Protocol):
+    """VPDR's protocol (vpdr.txt tables, SPEC 3.4): every client is tested on its own test split (a shared
+    global test set counts as every client's own), the round's number is the unweighted mean over clients,
+    and the run reports the last round: accuracy per domain (the mean over the domain's clients), AVG and
+    STD over clients (sample standard deviation, ddof = 1, which reproduces the paper's STD column from
+    its per-domain accuracies, e.g. Office-Caltech FedProto+IGPP 6.62). Cross-Client is not measured (nan)."""
+
+    name = "vpdr"
+
+    def __init__(self, data: FederationData, *, batch_size: int) -> None:
+        super().__init__(data, batch_size=batch_size)
+        self.x, self.y = as_tensor(data.x_test), as_tensor(data.y_test)
+        self.test_idx = [as_tensor(np.asarray(t, dtype=np.int64)) for t in data.test_idx]
+        self.domains = list(data.client_domains) if data.client_domains else [""] * len(data.test_idx)
+
+    def score(self, client_id: int, predict: Callable[..., Tensor]) -> dict[str, Any]:
+        idx = self.test_idx[client_id]
+        top1 = top5 = 0
+        for i in range(0, len(idx), self.batch_size):
+            rows = idx[i : i + self.batch_size]
+            logits = predict(self.x[rows]).float().cpu()
+            y = self.y[rows]
+            top1 += int((logits.argmax(-1) == y).sum())
+            k = min(5, logits.shape[-1])
+            top5 += int((logits.topk(k, dim=-1).indices == y[:, None]).any(-1).sum())
+        n = len(idx)
+        return {"in_client": top1 / n if n else math.nan, "cross_client": math.nan, "in_top5": top5 / n if n else math.nan,
+                "cross_top5": math.nan, "n_in": n, "n_cross": 0, "domain": self.domains[client_id]}
+
+    @classmethod
+    def summarize(cls, run_dir: str | Path, *, last: int = 5) -> dict[str, float]:
+        """In-Client of the last evaluated rounds (as every protocol), plus the paper's numbers of the last
+        round: vpdr_avg, vpdr_std and vpdr_<domain> (per-domain accuracy)."""
+        out = dict(InCross.summarize(run_dir, last=last))
+        table = vpdr_table(Path(run_dir) / "client_results.csv")
+        if table:
+            out.update({"vpdr_avg": table["AVG"], "vpdr_std": table["STD"],
+                        **{f"vpdr_{c}": v for c, v in table.items() if c not in ("AVG", "STD")}})
+        return out
+
+    @classmethod
+    def markdown(cls, method: str, summary: dict[str, float], title: str = "") -> str:
+        from raysim.metrics import markdown_table
+
+        domains = [k[len("vpdr_"):] for k in summary if k.startswith("vpdr_") and k not in ("vpdr_avg", "vpdr_std")]
+        if "vpdr_avg" not in summary:
+            return Protocol.markdown(method, summary, title=title)
+        return markdown_table(
+            ["Method", *domains, "AVG", "STD"],
+            [[method, *(f"{100 * summary['vpdr_' + d]:.2f}" for d in domains), f"{100 * summary['vpdr_avg']:.2f}",
+              f"{100 * summary['vpdr_std']:.2f}"]],
+            title=title,
+        ) + ("\nVPDR protocol (vpdr.txt, SPEC 3.4): the last evaluated round; each client on its own test split; "
+             "accuracy per domain (mean over its clients), AVG and STD (ddof = 1) over clients; in %.\n")
+
+
+def vpdr_table(client_results: Path) -> dict[str, float]:
+    """{domain: mean accuracy of its clients, ..., "AVG": mean over clients, "STD": sample std over clients}
+    of the last evaluated round in client_results.csv (domains in their first-seen client order; one column
+    "all" when the clients have no domains)."""
+    import pandas as pd
+
+    path = Path(client_results)
+    if not path.is_file():
+        return {}
+    df = pd.read_csv(path)
+    df = df.dropna(subset=["in_client"])
+    if df.empty:
+        return {}
+    last = df[df["round"] == df["round"].max()].sort_values("client")
+    acc = last["in_client"].astype(float)
+    doms = last["domain"].fillna("").astype(str) if "domain" in last else pd.Series([""] * len(last), index=last.index)
+    out: dict[str, float] = {}
+    for d in dict.fromkeys(doms):
+        out[d or "all"] = float(acc[doms == d].mean())
+    out["AVG"] = float(acc.mean())
+    out["STD"] = float(acc.std(ddof=1)) if len(acc) > 1 else 0.0
+    return out

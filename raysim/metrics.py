@@ -24,7 +24,7 @@ ROUND_COLUMNS = [
     "dropped",
     "seconds",
 ]
-CLIENT_COLUMNS = ["round", "client", "in_client", "cross_client", "in_top5", "cross_top5", "n_in", "n_cross", "epsilon"]
+CLIENT_COLUMNS = ["round", "client", "in_client", "cross_client", "in_top5", "cross_top5", "n_in", "n_cross", "epsilon", "domain"]
 TIMING_COLUMNS = ("seconds",)
 CURVES = "curves.png"
 

@@ -30,6 +30,7 @@ class FederationData:
     classnames: list[str]
     tok_train: Optional[np.ndarray] = None  # image-tower tokens (N, K, width), for "features+tokens" methods
     tok_test: Optional[np.ndarray] = None
+    client_domains: Optional[list[str]] = None  # each client's (majority) training domain, for datasets with domains
 
     @property
     def num_clients(self) -> int:

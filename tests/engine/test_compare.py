@@ -83,7 +83,7 @@ def test_vpdr_layout_per_domain_avg_std(tmp_path):
     t = VPDRLayout().table(recs, spec)
     assert t.header == ["mnist", "svhn", "AVG", "STD"]
     assert t.values[0][:3] == pytest.approx([0.7, 0.5, 0.6])
-    assert t.values[0][3] == pytest.approx(math.sqrt((0.01 + 0.01 + 0.09 + 0.09) / 4))  # population std over clients
+    assert t.values[0][3] == pytest.approx(math.sqrt((0.01 + 0.01 + 0.09 + 0.09) / 3))  # sample std (ddof 1) over clients
     assert t.ranks() == [[1, 0, 0, 0], [1, 1, 1, 1]]  # equal mnist: both marked; vpdr: better svhn and AVG, lower STD
 
 
