@@ -9,6 +9,7 @@ from raysim.methods import (
     fedtsp_homo,  # noqa: F401,E402
     local,  # noqa: F401,E402
     promptfl,  # noqa: F401,E402
+    vpdr_fedproto,  # noqa: F401,E402
     zeroshot,  # noqa: F401,E402
 )
 from raysim.methods.base import (

@@ -112,7 +112,7 @@ class ClientHost:
         self.participation = self._participation_counts()
         from raysim.privacy.host import HostPrivacy
 
-        self.privacy = HostPrivacy(dp=cfg.dp, method=self.method, seed=cfg.train.seed, batch_size=cfg.train.batch_size,
+        self.privacy = HostPrivacy(dp=self.method.dp, method=self.method, seed=cfg.train.seed, batch_size=cfg.train.batch_size,
                                    releases_per_client=self._rounds_for_calibration)
         for cid in self.clients:
             saved = self.store.load_client(cid, resume_round) if resume_round >= 0 else None

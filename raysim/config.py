@@ -398,7 +398,9 @@ def validate(cfg: RunConfig) -> None:
     from raysim.actors import make_method
     from raysim.privacy.mechanisms import check_method
 
-    check_method(make_method(cfg), cfg.dp)  # a method/dp combination that cannot be made private stops here
+    method = make_method(cfg)
+    check_method(method, method.dp)  # a method/dp combination that cannot be made private stops here (method.dp: the run's,
+    # or the run's as the method's own privacy knob refines it, e.g. vpdr_fedproto.privacy=vpdr sets dp.prototypes=vpp)
 
 
 def _validate_data(d: DataConfig) -> None:
