@@ -291,7 +291,15 @@ class VPDRMethod(Method):
     # -- the client's round ----------------------------------------------------------------------
     def local_train(self, env: VPDREnv, shared: dict[str, Tensor], private: dict[str, Any], data: ClientData, *,
                     rng: torch.Generator, privacy: Any) -> LocalResult:
-        """(d) E epochs of the framework's loss (+ DCR) with the broadcast state, then (a) the release."""
+        """(d) E epochs of the framework's loss (+ DCR) with the broadcast state, then (a) the release.
+        The dropouts draw from torch's generator, seeded here from `rng` (so a round replays exactly)."""
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
+        with torch.random.fork_rng(devices=[env.device] if env.device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            return self._local_train(env, shared, private, data, rng=rng, privacy=privacy)
+
+    def _local_train(self, env: VPDREnv, shared: dict[str, Tensor], private: dict[str, Any], data: ClientData, *,
+                     rng: torch.Generator, privacy: Any) -> LocalResult:
         model = self.model(env, private)
         opt = self.optimizer(model, private)
         teacher = self.teacher(model, private) if self.dcr else None

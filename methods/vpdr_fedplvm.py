@@ -14,12 +14,19 @@ Server   FINCH again, per class, over all uploaded centres of that class (FPL's 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from raysim.errors import ConfigError
+from raysim.methods.base import register_method
 from raysim.methods.finch import finch_coarsest
+from raysim.methods.vpdr_base import VPDRMethod, VPDROptions
 from raysim.methods.vpdr_fpl import CLUSTER_RATE, cluster_per_class
+from raysim.privacy.mechanisms import prototype, public
+from raysim.privacy.prototypes import l2_clip
 
 ALPHA = 0.25
 TAU = 0.07
@@ -64,3 +71,57 @@ def fedplvm_losses(feats: Tensor, y: Tensor, centres: Tensor, centre_labels: Ten
     contra = (-(log_probs * pos).sum(1) / n_pos.clamp_min(1)).mean()
     corr = ((s * pos).sum(1) - n_pos).abs().mean()
     return contra, corr
+
+
+# --------------------------------------------------------------------------------- the method
+
+CENTRES_NOTE = (
+    "the class of each uploaded FINCH centre: the number of centres per class comes from clustering the "
+    "client's features and is released as is (the code, whose accounting treats the clusters as fixed)"
+)
+
+
+@dataclass
+class Options(VPDROptions):
+    alpha: float = ALPHA
+    tau: float = TAU
+    weight: float = WEIGHT  # lambda on (L_contra + L_corr)
+    cluster_rate: float = CLUSTER_RATE  # the server's FINCH runs when int(cluster_rate * #centres) > 1
+
+    def validate(self) -> None:
+        if not (self.alpha > 0 and self.tau > 0 and self.weight >= 0 and self.cluster_rate >= 0):
+            raise ConfigError("vpdr_fedplvm: alpha > 0, tau > 0, weight >= 0, cluster_rate >= 0")
+
+
+@register_method
+class VPDRFedPLVM(VPDRMethod):
+    name = "vpdr_fedplvm"
+    Options = Options
+    releases = {"centres": prototype(), "centre_labels": public(CENTRES_NOTE)}
+    loss_names = ("ce", "contra", "corr")
+
+    def init_shared(self, env, rng):
+        return {"centres": torch.zeros(0, env.feature_dim), "centre_labels": torch.zeros(0, dtype=torch.long)}
+
+    def loss_terms(self, env, ctx, *, feat, logits, y, x, model):
+        contra, corr = fedplvm_losses(feat, y, ctx["centres"].float(), ctx["centre_labels"].long(), alpha=self.opts.alpha,
+                                      tau=self.opts.tau)
+        w = self.opts.weight
+        return {"ce": F.cross_entropy(logits, y), "contra": w * contra, "corr": w * corr}
+
+    def release(self, env, model, data, privacy, ctx):
+        """Local FINCH centres through the host: FINCH on the features clipped to R (what the code clusters
+        under IGPP; under VPP it clusters the group-clipped features, which only the release sees)."""
+        feats = self.release_features(env, model, data)
+        y = data.y_train
+        assign = local_assignments(l2_clip(feats, float(self.dp.proto_clip)), y)
+        centres = privacy.release("centres", features=feats, labels=y, num_classes=data.num_classes, assignments=assign)
+        k = torch.stack([assign[y == c].max() + 1 if bool((y == c).any()) else torch.tensor(0) for c in range(data.num_classes)])
+        labels = torch.repeat_interleave(torch.arange(data.num_classes), k.cpu())
+        return {"centres": centres, "centre_labels": labels}
+
+    def aggregate(self, env, shared, uploads, rng):
+        centres = torch.cat([u.tensors["centres"].float() for u in uploads])
+        labels = torch.cat([u.tensors["centre_labels"].long() for u in uploads])
+        g, gy = fedplvm_aggregate(centres, labels, env.num_classes, cluster_rate=self.opts.cluster_rate)
+        return {"centres": g, "centre_labels": gy}

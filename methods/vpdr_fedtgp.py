@@ -20,11 +20,18 @@ Client   L = CE + 1.0 * MSE(f, P_g[y]) (every class has a generated prototype).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from raysim.errors import ConfigError
+from raysim.methods.base import ServerResult, register_method
+from raysim.methods.fedproto import proto_mse
 from raysim.methods.fedtgp import PrototypeGenerator, adaptive_margin, train_generator
-from raysim.methods.hetero import aggregate_prototypes
+from raysim.methods.hetero import aggregate_prototypes, stack_uploads
+from raysim.methods.vpdr_base import VPDRMethod, VPDROptions
 
 LAMBDA = 1.0
 SERVER_EPOCHS = 100
@@ -54,3 +61,57 @@ def tgp_aggregate(g: PrototypeGenerator, protos: Tensor, counts: Tensor, *, epoc
     with torch.no_grad():
         out = g().cpu()
     return out, margin, loss
+
+
+# --------------------------------------------------------------------------------- the method
+
+
+@dataclass
+class Options(VPDROptions):
+    lam: float = LAMBDA
+    server_epochs: int = SERVER_EPOCHS
+    server_lr: float = 0.0  # 0 = the clients' lr (vpdr_fedtgp.lr, 1e-3), as the code
+    server_hidden: int = 512
+    margin_threshold: float = MARGIN_THRESHOLD
+
+    def validate(self) -> None:
+        if self.lam < 0 or self.server_epochs < 0 or self.server_lr < 0 or self.server_hidden < 1 or self.margin_threshold < 0:
+            raise ConfigError("vpdr_fedtgp: lam >= 0, server_epochs >= 0, server_lr >= 0 (0 = the client lr), server_hidden >= 1, "
+                              "margin_threshold >= 0")
+
+
+@register_method
+class VPDRFedTGP(VPDRMethod):
+    name = "vpdr_fedtgp"
+    Options = Options
+    loss_names = ("ce", "proto")
+    server_only = ("gen",)  # the generator trains and stays on the server; clients get G(c)
+    server_metrics = ("loss", "margin")
+
+    def _generator(self, env, shared=None, rng=None) -> PrototypeGenerator:
+        with torch.random.fork_rng(devices=[]):
+            if rng is not None:
+                torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
+            g = PrototypeGenerator(env.num_classes, env.feature_dim, self.opts.server_hidden)
+        if shared is not None:
+            g.load_state_dict({k[4:]: v for k, v in shared.items() if k.startswith("gen.")})
+        return g.to(env.device)
+
+    def init_shared(self, env, rng):
+        g = self._generator(env, rng=rng)
+        return {"protos": torch.zeros(env.num_classes, env.feature_dim), "has": torch.zeros(env.num_classes),
+                **{f"gen.{k}": v.detach().cpu() for k, v in g.state_dict().items()}}
+
+    def loss_terms(self, env, ctx, *, feat, logits, y, x, model):
+        has = ctx["has"] > 0.5
+        proto = proto_mse(feat, y, ctx["protos"].float(), has) if bool(has.any()) else feat.sum() * 0.0
+        return {"ce": F.cross_entropy(logits, y), "proto": self.opts.lam * proto}
+
+    def aggregate(self, env, shared, uploads, rng):
+        g = self._generator(env, shared)
+        protos, counts = stack_uploads(uploads)
+        out, margin, loss = tgp_aggregate(g, protos, counts, epochs=self.opts.server_epochs, lr=self.opts.server_lr or self.opts.lr,
+                                          batch_size=self.train.batch_size, margin_threshold=self.opts.margin_threshold, rng=rng)
+        state = {"protos": out, "has": torch.ones(env.num_classes),  # G(c) exists for every class
+                 **{f"gen.{k}": v.detach().cpu() for k, v in g.state_dict().items()}}
+        return ServerResult(state, {"loss": float(loss), "margin": margin})

@@ -16,11 +16,17 @@ A sample whose class has no centre (nobody uploaded it) adds no InfoNCE term (th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from raysim.errors import ConfigError
+from raysim.methods.base import register_method
 from raysim.methods.finch import finch_coarsest
+from raysim.methods.hetero import stack_uploads
+from raysim.methods.vpdr_base import VPDRMethod, VPDROptions
 
 TAU = 0.07
 CONTRA_WEIGHT = 0.5
@@ -100,3 +106,39 @@ def fpl_losses(feats: Tensor, y: Tensor, centres: Tensor, centre_labels: Tensor,
     else:
         mse = feats.sum() * 0.0
     return contra, mse
+
+
+# --------------------------------------------------------------------------------- the method
+
+
+@dataclass
+class Options(VPDROptions):
+    tau: float = TAU
+    contra_weight: float = CONTRA_WEIGHT
+    mse_weight: float = MSE_WEIGHT
+    cluster_rate: float = CLUSTER_RATE  # FINCH runs when int(cluster_rate * #uploads) > 1 (the code)
+
+    def validate(self) -> None:
+        if not self.tau > 0 or self.contra_weight < 0 or self.mse_weight < 0 or self.cluster_rate < 0:
+            raise ConfigError("vpdr_fpl: tau > 0, contra_weight >= 0, mse_weight >= 0, cluster_rate >= 0")
+
+
+@register_method
+class VPDRFPL(VPDRMethod):
+    name = "vpdr_fpl"
+    Options = Options
+    loss_names = ("ce", "contra", "mse")
+
+    def init_shared(self, env, rng):
+        C, d = env.num_classes, env.feature_dim
+        return {"centres": torch.zeros(0, d), "centre_labels": torch.zeros(0, dtype=torch.long),
+                "unbiased": torch.zeros(C, d), "has": torch.zeros(C)}
+
+    def loss_terms(self, env, ctx, *, feat, logits, y, x, model):
+        contra, mse = fpl_losses(feat, y, ctx["centres"].float(), ctx["centre_labels"].long(), ctx["unbiased"].float(),
+                                 ctx["has"] > 0.5, self.opts.tau)
+        return {"ce": F.cross_entropy(logits, y), "contra": self.opts.contra_weight * contra, "mse": self.opts.mse_weight * mse}
+
+    def aggregate(self, env, shared, uploads, rng):
+        out = fpl_aggregate(*stack_uploads(uploads), cluster_rate=self.opts.cluster_rate)
+        return {**out, "has": out["has"].float()}

@@ -20,6 +20,13 @@ FAST = {
     "local": {"model_family": "tiny"},
     "fedavg": {"model": "cnn_tiny"},
     "fedsept": {"rank": 4},
+    # the VPDR frameworks on a random frozen ResNet-18 at 32 px (the shipped raysim-vit is the default backbone)
+    "vpdr_fedproto": {"backbone": "resnet18"},
+    "vpdr_fedpcl": {"backbone": "resnet18"},
+    "vpdr_fpl": {"backbone": "resnet18"},
+    "vpdr_fedplvm": {"backbone": "resnet18"},
+    "vpdr_fedtgp": {"backbone": "resnet18", "server_epochs": 2},
+    "vpdr_mpft": {"backbone": "resnet18", "server_epochs": 2},
 }
 
 
