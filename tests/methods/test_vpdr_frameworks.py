@@ -300,3 +300,19 @@ def test_mpft_server_step_is_reproducible_and_can_freeze_the_adapter():
     torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 3))
     init = mpft.LinearAdapter(8, 2)
     assert torch.equal(a3["down.weight"], init.down.weight)  # not in the optimiser: untouched
+
+
+def test_clustered_release_stacks_centres_class_by_class():
+    # class 0: clusters {(0,0), (2,0)} -> (1, 0) and {(0,4)} -> (0, 4); class 1: one cluster {(6,6)}.
+    # DP off, the release is the clean centres in (class, cluster id) order; under IGPP with sigma 0 the
+    # features are first clipped to R = 3: (0,4) -> (0,3), (6,6) -> (3/sqrt2, 3/sqrt2) = (2.121320, 2.121320).
+    from raysim.privacy.dpsgd import NoDP
+    from raysim.privacy.prototypes import igpp_release, stack_centres
+
+    feats = torch.tensor([[0.0, 0.0], [6.0, 6.0], [2.0, 0.0], [0.0, 4.0]])
+    labels = torch.tensor([0, 1, 0, 0])
+    assign = torch.tensor([0, 0, 0, 1])
+    clean = NoDP().release("centres", features=feats, labels=labels, num_classes=2, assignments=assign)
+    assert torch.allclose(clean, torch.tensor([[1.0, 0.0], [0.0, 4.0], [6.0, 6.0]]))
+    noisy = stack_centres(igpp_release(feats, labels, clip=3.0, sigma=0.0, generator=None, assignments=assign))
+    assert torch.allclose(noisy, torch.tensor([[1.0, 0.0], [0.0, 3.0], [2.121320, 2.121320]]), atol=TOL)
