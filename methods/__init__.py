@@ -27,7 +27,12 @@ from raysim.methods import (
     local,  # noqa: F401,E402
     pfedmoap,  # noqa: F401,E402
     promptfl,  # noqa: F401,E402
+    vpdr_fedpcl,  # noqa: F401,E402
+    vpdr_fedplvm,  # noqa: F401,E402
     vpdr_fedproto,  # noqa: F401,E402
+    vpdr_fedtgp,  # noqa: F401,E402
+    vpdr_fpl,  # noqa: F401,E402
+    vpdr_mpft,  # noqa: F401,E402
     zeroshot,  # noqa: F401,E402
 )
 from raysim.methods.base import (

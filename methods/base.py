@@ -146,9 +146,10 @@ class PrivacyHandle(Protocol):
         ...
 
     def release(self, name: str, value: Any = None, *, features: Optional[Tensor] = None, labels: Optional[Tensor] = None,
-                num_classes: int = 0, clip: float = 0.0) -> Tensor:
-        """A prototype release (class means of `features`) or an embedding release of `value`, computed and
-        privatised by the host; the method uploads what it returns under `name`."""
+                num_classes: int = 0, clip: float = 0.0, assignments: Optional[Tensor] = None) -> Tensor:
+        """A prototype release (class means of `features`, or with `assignments` the (M, d) cluster centres)
+        or an embedding release of `value`, computed and privatised by the host; the method uploads what it
+        returns under `name`."""
         ...
 
 

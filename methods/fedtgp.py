@@ -65,6 +65,24 @@ def margin_loss(feats: Tensor, labels: Tensor, protos: Tensor, margin: float) ->
     return F.cross_entropy(-dist, labels)
 
 
+def train_generator(g: PrototypeGenerator, feats: Tensor, labels: Tensor, margin: float, *, epochs: int, lr: float,
+                    batch_size: int, rng: torch.Generator) -> Tensor:
+    """`epochs` epochs of plain SGD on margin_loss over the (prototype, class) pairs, in shuffled
+    mini-batches (the last one partial); returns the last batch's loss (nan when nothing trained)."""
+    g.train()
+    opt = torch.optim.SGD(g.parameters(), lr=lr)
+    loss = torch.tensor(math.nan)
+    for _ in range(epochs):
+        perm = torch.randperm(len(labels), generator=rng).to(feats.device)
+        for i in range(0, len(labels), batch_size):
+            idx = perm[i : i + batch_size]
+            loss = margin_loss(feats[idx], labels[idx], g(), margin)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    return loss.detach()
+
+
 @register_method
 class FedTGP(FedProto):
     name = "fedtgp"
@@ -103,18 +121,8 @@ class FedTGP(FedProto):
         held = counts > 0
         feats, labels = protos[held].float().to(env.device), held.nonzero()[:, 1].to(env.device)
         g = self._generator(env, shared)
-        g.train()
-        opt = torch.optim.SGD(g.parameters(), lr=self.opts.server_lr)
-        bs = self.train.batch_size
-        loss = torch.tensor(math.nan)
-        for _ in range(self.opts.server_epochs):
-            perm = torch.randperm(len(labels), generator=rng).to(env.device)
-            for i in range(0, len(labels), bs):
-                idx = perm[i : i + bs]
-                loss = margin_loss(feats[idx], labels[idx], g(), margin)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
+        loss = train_generator(g, feats, labels, margin, epochs=self.opts.server_epochs, lr=self.opts.server_lr,
+                               batch_size=self.train.batch_size, rng=rng)
         with torch.no_grad():
             out = g().cpu()
         return ServerResult({

@@ -124,10 +124,14 @@ class _Standalone:
         return batch_indices(n, batch_size, rng)
 
     def release(self, name: str, value=None, *, features: Tensor | None = None, labels: Tensor | None = None,
-                num_classes: int = 0, clip: float = 0.0) -> Tensor:
+                num_classes: int = 0, clip: float = 0.0, assignments: Tensor | None = None) -> Tensor:
         if features is not None:
             assert labels is not None, "a prototype release needs the labels of its features"
             features, labels = features.detach().float().cpu(), labels.detach().long().cpu()
+            if assignments is not None:  # clustered: the clean centres, class by class
+                from .prototypes import clean_centres
+
+                return clean_centres(features, labels, assignments.detach().long().cpu())
             sums = torch.zeros(num_classes, features.shape[1]).index_add_(0, labels, features)
             return sums / torch.bincount(labels, minlength=num_classes).float().clamp_min(1)[:, None]
         return (value() if callable(value) else value).detach().float().cpu().clone()

@@ -195,9 +195,11 @@ class RoundPrivacy:
         self._sgd.backward(per_sample_loss, dp_params, other_params, public_loss=public_loss)
 
     def release(self, name: str, value: Union[Tensor, Callable[[], Tensor], None] = None, *, features: Optional[Tensor] = None,
-                labels: Optional[Tensor] = None, num_classes: int = 0, clip: float = 0.0) -> Tensor:
+                labels: Optional[Tensor] = None, num_classes: int = 0, clip: float = 0.0,
+                assignments: Optional[Tensor] = None) -> Tensor:
         """A release the host makes: `prototype` uploads from (features, labels) -> (num_classes, d) class
-        means (noised by the run's prototype mechanism under DP; classes the client lacks are 0);
+        means (noised by the run's prototype mechanism under DP; classes the client lacks are 0), or with
+        `assignments` (per-example cluster ids within the class) the (M, d) cluster centres, class by class;
         `embedding` uploads from `value` (a tensor or a function computing it, called only if this one-shot
         release was not made before), clipped to `clip` as a whole and noised."""
         spec = self.host.method.releases.get(name)
@@ -208,7 +210,7 @@ class RoundPrivacy:
             out = st.once[name]  # already released: sending it again is post-processing
         elif spec.kind == "prototype":
             assert features is not None and labels is not None, f"the prototype release {name!r} needs features and labels"
-            out = self._prototypes(name, features, labels, num_classes)
+            out = self._prototypes(name, features, labels, num_classes, assignments)
         else:
             tensor = value() if callable(value) else value
             assert tensor is not None, f"the embedding release {name!r} needs a value"
@@ -226,16 +228,20 @@ class RoundPrivacy:
         ledger.check(release)
         self.pending.append(release)
 
-    def _prototypes(self, name: str, features: Tensor, labels: Tensor, num_classes: int) -> Tensor:
+    def _prototypes(self, name: str, features: Tensor, labels: Tensor, num_classes: int,
+                    assignments: Optional[Tensor] = None) -> Tensor:
         mech = self._mechanism(name)
         features, labels = features.detach().float().cpu(), labels.detach().long().cpu()
-        if mech is None:  # DP off: the clean class means
-            return NoDP().release(name, features=features, labels=labels, num_classes=num_classes)
+        if assignments is not None:
+            assignments = assignments.detach().long().cpu()
+        if mech is None:  # DP off: the clean class means (or cluster centres)
+            return NoDP().release(name, features=features, labels=labels, num_classes=num_classes, assignments=assignments)
         z = self.host.multiplier(self.cid, self.num_train)
         rounds = max(1, self.host.releases_per_client(self.cid))  # the releases it was calibrated for
         gen = generator(self.host.seed, "dp-release", name, self.round, self.cid)
         # a prototype upload resolves to the mechanism dp.prototypes names (a registered release mechanism)
-        out, extra = cast(PrototypeRelease, mech).apply(features, labels, num_classes, multiplier=z, generator=gen, rounds=rounds)
+        out, extra = cast(PrototypeRelease, mech).apply(features, labels, num_classes, multiplier=z, generator=gen, rounds=rounds,
+                                                        assignments=assignments)
         if extra.get("pure_epsilon"):
             self._record(Release(f"{mech.name}_topk", 0.0, 1.0, 1, self.round, epsilon=extra["pure_epsilon"]))
         self._record(Release(mech.name, z, 1.0, 1, self.round))

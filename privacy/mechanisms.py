@@ -105,13 +105,14 @@ class Mechanism:
 
 class PrototypeRelease(Protocol):
     """What the host needs of the mechanism `dp.prototypes` names (IGPP, VPP, or one registered with
-    applied = "release"): the noised (num_classes, d) class means, and extra ledger facts ("pure_epsilon")."""
+    applied = "release"): the noised (num_classes, d) class means, or with `assignments` (per-example cluster
+    ids within the class) the noised (M, d) cluster centres, class by class; and extra ledger facts ("pure_epsilon")."""
 
     @property
     def name(self) -> str: ...
 
     def apply(self, features: Tensor, labels: Tensor, num_classes: int, *, multiplier: float,
-              generator: torch.Generator, rounds: int) -> tuple[Tensor, dict[str, float]]: ...
+              generator: torch.Generator, rounds: int, assignments: Optional[Tensor] = None) -> tuple[Tensor, dict[str, float]]: ...
 
 
 MECHANISMS: Registry[type[Mechanism]] = Registry("privacy mechanism")
@@ -178,11 +179,11 @@ class IGPP(Mechanism):
         return Planned(q=1.0, steps=1)
 
     def apply(self, features: Tensor, labels: Tensor, num_classes: int, *, multiplier: float,
-              generator: torch.Generator, rounds: int) -> tuple[Tensor, dict[str, float]]:
-        from .prototypes import igpp_release
+              generator: torch.Generator, rounds: int, assignments: Optional[Tensor] = None) -> tuple[Tensor, dict[str, float]]:
+        from .prototypes import igpp_release, stack_centres
 
-        out = igpp_release(features, labels, clip=self.dp.proto_clip, sigma=multiplier, generator=generator)
-        return _dense(out, num_classes, features), {}
+        out = igpp_release(features, labels, clip=self.dp.proto_clip, sigma=multiplier, generator=generator, assignments=assignments)
+        return (_dense(out, num_classes, features) if assignments is None else stack_centres(out)), {}
 
 
 @register_mechanism
@@ -199,13 +200,15 @@ class VPP(Mechanism):
         return Planned(q=1.0, steps=1, pure_share=self.dp.vpp_split)
 
     def apply(self, features: Tensor, labels: Tensor, num_classes: int, *, multiplier: float,
-              generator: torch.Generator, rounds: int) -> tuple[Tensor, dict[str, float]]:
-        from .prototypes import vpp_release
+              generator: torch.Generator, rounds: int, assignments: Optional[Tensor] = None) -> tuple[Tensor, dict[str, float]]:
+        from .prototypes import stack_centres, vpp_release
 
         out = vpp_release(features, labels, R=self.dp.proto_clip, rho=self.dp.vpp_rho, H=self.dp.vpp_H,
                           epsilon=self.dp.epsilon, rounds=rounds, delta=self.dp.delta, r_split=self.dp.vpp_split,
-                          generator=generator, num_classes=num_classes, sigma_ref=multiplier)
-        return _dense(out["prototypes"], num_classes, features), {"pure_epsilon": out["epsilon1"] / rounds}
+                          generator=generator, num_classes=num_classes, sigma_ref=multiplier,
+                          centres="mean" if assignments is None else "cluster", assignments=assignments)
+        protos = _dense(out["prototypes"], num_classes, features) if assignments is None else stack_centres(out["prototypes"])
+        return protos, {"pure_epsilon": out["epsilon1"] / rounds}
 
 
 @register_mechanism

@@ -75,6 +75,18 @@ def _pack(c_centres: Tensor, clustered: bool) -> Tensor:
     return c_centres if clustered else c_centres[0]
 
 
+def stack_centres(protos: dict[int, Tensor]) -> Tensor:
+    """(M, d) the (K_c, d) centres of a clustered release, class by class in increasing order and within a
+    class by cluster id (the order `assignments` numbers them)."""
+    return torch.cat([protos[c].reshape(-1, protos[c].shape[-1]).detach().float().cpu() for c in sorted(protos)])
+
+
+def clean_centres(features: Tensor, labels: Tensor, assignments: Tensor) -> Tensor:
+    """(M, d) un-noised, un-clipped cluster centres (DP off), in stack_centres' order."""
+    _check_xy(features, labels)
+    return stack_centres({c: cents for c, (cents, _) in _centres(features, labels, assignments).items()})
+
+
 # ------------------------------------------------------------------------------------------- IGPP
 
 

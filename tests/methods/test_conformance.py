@@ -33,6 +33,8 @@ FAST = {
     "fedgen": {"model_family": "tiny", "server_epochs": 2, "hidden_dim": 32},
     "fedgh": {"model_family": "tiny", "server_epochs": 2},
     "feddistill": {"model_family": "tiny"},
+    "vpdr_fedtgp": {"server_epochs": 2},
+    "vpdr_mpft": {"server_epochs": 2},
 }
 
 
