@@ -32,9 +32,10 @@ M x C expert prompts are re-encoded for every batch, i.e. the first pass); FedSE
 a prompt per input, B x C prompts encoded per batch); FedSEPT (logit fusion, expert text features cached
 once per model); FedSEPT-patch (the patch-token router of SPEC 1.3). An entry of `--methods` is one of
 these labels or, like `raysim compare`, `name` or `name:key=value;key=value` (e.g. `dpfpl:rank=8`).
-Ratios are to FedSEPT (to the first row when FedSEPT is not among them).
+Ratios are to FedSEPT (to the first row when FedSEPT is not among them). On a CPU shared with other jobs,
+`--threads 1`: with more threads than free cores every multi-op call waits on a descheduled thread.
 
-    python benchmarks/fedsept_efficiency.py --classes 10 --batch 8 --device cpu
+    python benchmarks/fedsept_efficiency.py --classes 10 --batch 8 --device cpu --threads 1   # README's table
     python benchmarks/fedsept_efficiency.py --methods PromptFL,FedSEPT,fedotp:tokens=patch --model raysim-tiny
     python benchmarks/fedsept_efficiency.py --actors 4 --actor-gpus 0.25     # 4 client actors sharing one GPU
 """
