@@ -45,7 +45,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, cast
 
 import numpy as np
 import torch
@@ -59,6 +59,7 @@ FSH_REFERENCE = ("start Cos Sim", "start Top-1 Hit (%)")  # the random starting 
 MIA_COLUMNS = ("auc", "tpr@1%fpr", "tpr@0.1%fpr", "advantage", "f1")
 MIA_HEADERS = {"auc": "ROC-AUC", "tpr@1%fpr": "TPR@1%FPR", "tpr@0.1%fpr": "TPR@0.1%FPR", "advantage": "Advantage", "f1": "F1 Score"}
 ROUNDS = ("available", "last")
+DEFAULT_FSH = FSHConfig()  # SPEC 3.7
 
 
 def _say(msg: str) -> None:
@@ -232,12 +233,17 @@ def extractor_of(method: Any, model: torch.nn.Module) -> Callable:
     """The features the method releases prototypes of, differentiable w.r.t. the images: the method's
     `release_feature_fn(model)` where it has one (e.g. a backbone-path release), else model.features."""
     hook = getattr(method, "release_feature_fn", None)
-    return hook(model) if callable(hook) else model.features
+    return hook(model) if callable(hook) else cast(Callable, model.features)
 
 
 def classifier_of(model: torch.nn.Module) -> Callable:
+    """Features -> logits of the client's own head."""
     head = getattr(model, "head_logits", None)
-    return head if callable(head) else model.head
+    return head if callable(head) else cast(Callable, model.head)
+
+
+def _on(fn: Callable, device: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: fn(x.to(device)).float()
 
 
 @dataclass
@@ -248,7 +254,7 @@ class PrototypeAudit:
     rounds: list[int] = field(default_factory=list)
 
 
-def prototype_attacks(view: RunView, *, rounds: str = "available", fsh: Optional[FSHConfig] = FSHConfig(), mia: bool = True,
+def prototype_attacks(view: RunView, *, rounds: str = "available", fsh: Optional[FSHConfig] = DEFAULT_FSH, mia: bool = True,
                       max_per_class: int = 800, clients: Optional[Sequence[int]] = None, seed: int = 0,
                       progress: bool = True) -> PrototypeAudit:
     """FSH and the prototype MIA on every recorded release whose releasing model is on disk."""
@@ -296,9 +302,8 @@ def prototype_attacks(view: RunView, *, rounds: str = "available", fsh: Optional
             if fsh is not None:
                 with torch.enable_grad():
                     per_class = attack_client(
-                        lambda x: extract(x.to(env.device)).float(), lambda z: classify(z.to(env.device)), released.to(env.device),
-                        counts, train_f, cdata.y_train, shape=tuple(cdata.x_train.shape[1:]), cfg=fsh,
-                        seed=seed * 1_000_003 + r * 1009 + cid)
+                        _on(extract, env.device), _on(classify, env.device), released.to(env.device), counts, train_f,
+                        cdata.y_train, shape=tuple(cdata.x_train.shape[1:]), cfg=fsh, seed=seed * 1_000_003 + r * 1009 + cid)
                 for c, m in per_class.items():
                     out.fsh.append({"round": r, "client": cid, "class": c, **m.as_dict()})
                 if per_class:
@@ -395,7 +400,7 @@ def _pct(v: float) -> str:
     return "-" if v is None or math.isnan(v) else f"{100 * v:.2f}"
 
 
-def audit_run(run_dir: str | Path, *, rounds: str = "available", fsh: Optional[FSHConfig] = FSHConfig(), mia: bool = True,
+def audit_run(run_dir: str | Path, *, rounds: str = "available", fsh: Optional[FSHConfig] = DEFAULT_FSH, mia: bool = True,
               max_per_class: int = 800, clients: Optional[Sequence[int]] = None, seed: int = 0, nonmembers: str = "other_clients",
               progress: bool = True, write: bool = True) -> AuditResult:
     """Audit one run folder (see the module docstring); writes RUN_DIR/audit.md and its CSVs when `write`."""
@@ -513,7 +518,7 @@ def audit_folder(folder: str | Path, **kw: Any) -> list[AuditResult]:
         lines += ["", "## FSH / prototype MIA (vpdr.txt 5.4)", "", prototype_table(protos)]
     if updates:
         lines += ["", "## Update MIA (fedsept.txt 5.5, Figure 5)", "", update_table(updates)]
-    lines += ["", "## Runs", "", *[f"- {r['run']}: {r['method']}, ε={_eps(r['epsilon'])} ({r['ldp']})" for r in rows]]
+    lines += ["", "## Runs", "", *[f"- {r['run']}: {r['method']}, dp.epsilon={r['epsilon']:g} ({r['ldp']})" for r in rows]]
     if unrecorded:
         lines += ["", "not audited (no recorded uploads; rerun with output.record_uploads=true):", "",
                   *[f"- {p.relative_to(folder)}" for p in unrecorded]]
@@ -550,7 +555,9 @@ def plot_vs_epsilon(results: list[AuditResult], path: Path) -> Optional[Path]:
             key = r.method if r.ldp == "NoLDP" else f"{r.method} {r.ldp}"
             groups.setdefault(key, []).append(r)
         nodp = [r for r in runs if math.isinf(r.epsilon)]
-        for gi, (name, rs) in enumerate(sorted(groups.items())):
+        dp_methods = {r.method for r in runs if math.isfinite(r.epsilon)}
+        groups = {k: v for k, v in groups.items() if any(math.isfinite(r.epsilon) for r in v) or v[0].method not in dp_methods}
+        for gi, (name, rs) in enumerate(sorted(groups.items())):  # no-DP runs join each DP line of their method
             rs = sorted(rs + [n for n in nodp if n.method == rs[0].method and n not in rs], key=lambda r: r.epsilon)
             xs = [inf_x if math.isinf(r.epsilon) else r.epsilon for r in rs]
             for mi, (k, label) in enumerate(metrics):
@@ -588,7 +595,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--no-fsh", action="store_true", help="skip feature-space hijacking")
     ap.add_argument("--no-mia", action="store_true", help="skip the prototype MIA")
     ap.add_argument("--fsh-steps", type=int, default=FSHConfig.max_steps, help="FSH: most optimisation steps (SPEC: 100000)")
-    ap.add_argument("--fsh-patience", type=int, default=FSHConfig.patience, help="FSH: early stop after this many steps without improvement")
+    ap.add_argument("--fsh-patience", type=int, default=FSHConfig.patience,
+                    help="FSH: early stop after this many steps without improvement")
     ap.add_argument("--fsh-classes", type=int, default=FSHConfig.classes, help="FSH: classes attacked per client (SPEC: 3)")
     ap.add_argument("--fsh-objective", choices=("mse", "cos"), default="mse")
     ap.add_argument("--max-per-class", type=int, default=800, help="MIA: members and non-members per class (SPEC: 800)")
@@ -603,7 +611,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         kw = dict(rounds=args.rounds, fsh=fsh, mia=not args.no_mia, max_per_class=args.max_per_class, clients=args.clients,
                   seed=args.seed, nonmembers=args.nonmembers, progress=not args.quiet)
         if (path / "config.yaml").is_file():
-            res = audit_run(path, **kw)  # type: ignore[arg-type]
+            res = audit_run(path, **kw)
             sys.stdout.write(run_markdown(res))
             _say(f"wrote {path / 'audit.md'}")
         else:
