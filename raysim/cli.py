@@ -1,4 +1,4 @@
-"""The `raysim` command (also `python -m raysim`): run, sweep, compare, privacy, pretrain."""
+"""The `raysim` command (also `python -m raysim`): run, sweep, compare, audit, privacy, pretrain."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ commands:
   sweep SWEEP.yaml [key=value ...]     run a Ray Tune sweep
   compare [SPEC.yaml] --methods a,b:k=v [--grid key=v1,v2] [--layout L] [key=value ...]
                                        several methods on one setting: the papers' comparison tables
+  audit RUN_DIR|FOLDER [--rounds R] ...
+                                       privacy audit of a recorded run (or of every run in a sweep /
+                                       compare folder): ledgers, then the attacks that apply
   privacy noise|epsilon ...            noise multiplier for a budget, or the budget of a noise level
   pretrain [--out DIR] ...             pretrain the small offline CLIP on generated image-caption data
 """
@@ -38,6 +41,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from raysim.compare import main as compare_main
 
         return compare_main(rest)
+    if cmd == "audit":
+        from raysim.audit import main as audit_main
+
+        return audit_main(rest)
     if cmd == "privacy":
         from raysim.privacy.cli import main as privacy_main
 
