@@ -83,6 +83,18 @@ def train_generator(g: PrototypeGenerator, feats: Tensor, labels: Tensor, margin
     return loss.detach()
 
 
+def seeded_generator(env, hidden: int, shared=None, rng=None) -> PrototypeGenerator:
+    """The server's generator: fresh weights drawn from `rng` (torch's global stream untouched), or the
+    `gen.*` entries of the server state when `shared` holds them."""
+    with torch.random.fork_rng(devices=[]):
+        if rng is not None:
+            torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
+        g = PrototypeGenerator(env.num_classes, env.feature_dim, hidden)
+    if shared is not None:
+        g.load_state_dict({k[4:]: v for k, v in shared.items() if k.startswith("gen.")})
+    return g.to(env.device)
+
+
 @register_method
 class FedTGP(FedProto):
     name = "fedtgp"
@@ -97,13 +109,7 @@ class FedTGP(FedProto):
         return torch.full_like(shared["has"], float(trained)) > 0.5
 
     def _generator(self, env, shared=None, rng=None) -> PrototypeGenerator:
-        with torch.random.fork_rng(devices=[]):
-            if rng is not None:
-                torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
-            g = PrototypeGenerator(env.num_classes, env.feature_dim, self.opts.server_hidden)
-        if shared is not None:
-            g.load_state_dict({k[4:]: v for k, v in shared.items() if k.startswith("gen.")})
-        return g.to(env.device)
+        return seeded_generator(env, self.opts.server_hidden, shared, rng)
 
     def init_shared(self, env, rng):
         g = self._generator(env, rng=rng)

@@ -29,7 +29,7 @@ from torch import Tensor
 from raysim.errors import ConfigError
 from raysim.methods.base import ServerResult, register_method
 from raysim.methods.fedproto import proto_mse
-from raysim.methods.fedtgp import PrototypeGenerator, adaptive_margin, train_generator
+from raysim.methods.fedtgp import PrototypeGenerator, adaptive_margin, seeded_generator, train_generator
 from raysim.methods.hetero import aggregate_prototypes, stack_uploads
 from raysim.methods.vpdr_base import VPDRMethod, VPDROptions
 
@@ -89,13 +89,7 @@ class VPDRFedTGP(VPDRMethod):
     server_metrics = ("loss", "margin")
 
     def _generator(self, env, shared=None, rng=None) -> PrototypeGenerator:
-        with torch.random.fork_rng(devices=[]):
-            if rng is not None:
-                torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
-            g = PrototypeGenerator(env.num_classes, env.feature_dim, self.opts.server_hidden)
-        if shared is not None:
-            g.load_state_dict({k[4:]: v for k, v in shared.items() if k.startswith("gen.")})
-        return g.to(env.device)
+        return seeded_generator(env, self.opts.server_hidden, shared, rng)
 
     def init_shared(self, env, rng):
         g = self._generator(env, rng=rng)
