@@ -468,20 +468,20 @@ class VPDRLayout(Layout):
 
     name = "vpdr"
 
-    def table(self, records, spec):
+    def table(self, records: list[RunRecord], spec: CompareSpec) -> Table:
         from raysim.evaluation import vpdr_table
 
         domains: list[str] = []
-        scores = {}
+        scores: dict[tuple[str, str], dict[str, float]] = {}
         for r in records:
             t = vpdr_table(r.out_dir / "client_results.csv")  # the run's protocol numbers (STD ddof = 1)
             domains += [d for d in t if d not in ("AVG", "STD") and d not in domains]
             scores[(r.entry.label, cell_label(r.cell))] = t
         metrics = [*domains, "AVG", "STD"]
-        t = grid_table(records, spec, metrics, lambda r: scores[(r.entry.label, cell_label(r.cell))], marks="pairs",
-                       notes=["Last round; each client tests on its own split; STD over clients (lower is better)."])
-        t.higher_better = [not h.endswith("STD") for h in t.header]
-        return t
+        table = grid_table(records, spec, metrics, lambda r: scores[(r.entry.label, cell_label(r.cell))], marks="pairs",
+                           notes=["Last round; each client tests on its own split; STD over clients (lower is better)."])
+        table.higher_better = [not h.endswith("STD") for h in table.header]
+        return table
 
     def primary(self, table):
         return [i for i, h in enumerate(table.header) if h.endswith("AVG")]
