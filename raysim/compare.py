@@ -515,9 +515,10 @@ def describe(records: list[RunRecord], spec: CompareSpec) -> str:
     """One line of what the table was measured on, from the first run's config."""
     cfg = records[0].config()
     eps = "no DP" if not cfg.dp.enabled else f"dp.epsilon={cfg.dp.epsilon:g}"
-    parts = [cfg.data.dataset, f"{cfg.data.partition}" + (f" beta={cfg.data.beta:g}" if cfg.data.partition == "dirichlet" else ""),
-             f"{cfg.train.num_clients} clients", f"{cfg.train.rounds} rounds", cfg.model.name, f"seed {cfg.train.seed}", eps]
     varied = [k for k in spec.grid]
+    parts = [cfg.data.dataset, f"{cfg.data.partition}" + (f" beta={cfg.data.beta:g}" if cfg.data.partition == "dirichlet" else ""),
+             f"{cfg.train.num_clients} clients", f"{cfg.train.rounds} rounds", cfg.model.name, f"seed {cfg.train.seed}"]
+    parts += [] if "dp.epsilon" in varied else [eps]  # a grid over epsilon labels its own columns
     return ", ".join(parts) + (f" (varied: {', '.join(varied)})" if varied else "")
 
 
