@@ -517,7 +517,8 @@ def describe(records: list[RunRecord], spec: CompareSpec) -> str:
     eps = "no DP" if not cfg.dp.enabled else f"dp.epsilon={cfg.dp.epsilon:g}"
     varied = [k for k in spec.grid]
     skew = f" beta={cfg.data.beta:g}" if cfg.data.partition in ("dirichlet", "pfllib", "dirichlet_shared_test") else ""
-    parts = [cfg.data.dataset, cfg.data.partition + ("" if "data.beta" in varied else skew), f"{cfg.train.num_clients} clients", f"{cfg.train.rounds} rounds", cfg.model.name, f"seed {cfg.train.seed}"]
+    parts = [cfg.data.dataset, cfg.data.partition + ("" if "data.beta" in varied else skew), f"{cfg.train.num_clients} clients",
+             f"{cfg.train.rounds} rounds", cfg.model.name, f"seed {cfg.train.seed}"]
     parts += [] if "dp.epsilon" in varied else [eps]  # a grid over epsilon labels its own columns
     return ", ".join(parts) + (f" (varied: {', '.join(varied)})" if varied else "")
 
