@@ -199,3 +199,33 @@ def test_resume_gives_identical_results(tmp_path, cache_dir):
     resumed = run(resume_config(tmp_path / "cut"))
     assert rows(straight.out_dir / "results.csv") == rows(resumed.out_dir / "results.csv")
     assert rows(straight.out_dir / "client_results.csv") == rows(resumed.out_dir / "client_results.csv")
+
+
+@pytest.mark.parametrize("name", ["vpdr_fedpcl", "vpdr_fpl", "vpdr_fedplvm", "vpdr_fedtgp", "vpdr_mpft"])
+def test_every_framework_is_identical_inline_on_ray_and_resumed(tmp_path, cache_dir, backbone, ray_session, name):
+    """The five other frameworks under privacy=vpdr (VPP + DCR): a Ray run and a run interrupted after round 1
+    and resumed give the inline run's results.csv and client_results.csv exactly."""
+    from raysim.engine import resume_config, run
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_round_0(row):
+        if row["round"] == 0:
+            raise Stop
+
+    def cfg(**kw):
+        v = values(tmp_path, cache_dir, "vpdr", backbone=backbone, **kw)
+        section = v.pop("vpdr_fedproto")
+        if name in ("vpdr_fedtgp", "vpdr_mpft"):
+            section["server_epochs"] = 2  # speed only
+        return build_config({**v, "method": name, name: section})
+
+    a = run(cfg(out="inline"))
+    b = run(cfg(backend="ray", out="ray"))
+    with pytest.raises(Stop):
+        run(cfg(out="cut"), on_round=stop_after_round_0)
+    c = run(resume_config(tmp_path / "cut"))
+    for f in ("results.csv", "client_results.csv"):
+        assert rows(a.out_dir / f) == rows(b.out_dir / f) == rows(c.out_dir / f), (name, f)
+    assert math.isfinite(a.summary["vpdr_avg"])
