@@ -149,6 +149,70 @@ def test_without_dcr_there_is_no_teacher_and_no_kd(tmp_path, cache_dir, backbone
     assert set(rep[0].metrics) == {"loss", "ce", "proto"}
 
 
+# ------------------------------------------------------------------------------------------ round order
+def _class_means(method, env, private, data):
+    """The clean class means of the client's release features under `private` (what privacy=none uploads)."""
+    feats = method.release_features(env, method.model(env, private), data)
+    counts = torch.bincount(data.y_train, minlength=data.num_classes).float()
+    return torch.zeros(data.num_classes, feats.shape[1]).index_add_(0, data.y_train, feats) / counts.clamp_min(1)[:, None]
+
+
+def test_round_order_is_spec_3_4_release_aggregate_then_train(tmp_path, cache_dir, backbone, monkeypatch):
+    """SPEC 3.4 on the inline backend, privacy=none (so uploads are the clean class means): in every round r
+    each client (a) releases the class means of its model as it was before round r's training (round 0:
+    its untrained adapters), (b) the server aggregates exactly these releases, (d) every client trains with
+    that aggregate of round r, never the previous one; training uploads nothing."""
+    import copy
+
+    from raysim.actors import initial_private, make_method
+    from raysim.backends import InlineBackend
+    from raysim.engine import prepare_data
+    from raysim.methods.hetero import aggregate_prototypes, stack_uploads
+    from raysim.methods.vpdr_base import VPDRMethod
+
+    cfg = build_config(values(tmp_path, cache_dir, "none", backbone=backbone, rounds=3))
+    data = prepare_data(cfg, make_method(cfg).needs(), progress=False)
+    b = InlineBackend(cfg, data, cfg.output.out_dir, -1)
+    assert b.release_first and len(b.hosts) == 2  # num_actors=2: two hosts in this process
+    host_of = {c: h for h in b.hosts for c in h.clients}
+    seen: list[tuple[int, dict]] = []  # (client, the broadcast its training ran with)
+    train = VPDRMethod._local_train
+
+    def recording(self, env, model, shared, private, data, *, rng):
+        seen.append((data.client_id, {k: v.detach().cpu().clone() for k, v in shared.items()}))
+        return train(self, env, model, shared, private, data, rng=rng)
+
+    monkeypatch.setattr(VPDRMethod, "_local_train", recording)
+    aggregate = type(b.server).aggregate
+    got: list[list] = []
+
+    def recording_aggregate(server, round_idx, *upload_lists):
+        got.append([u for lst in upload_lists for u in lst])
+        return aggregate(server, round_idx, *upload_lists)
+
+    monkeypatch.setattr(type(b.server), "aggregate", recording_aggregate)
+    m = b.hosts[0].method
+    before = {c: initial_private(m, host_of[c].env, host_of[c].data[c], cfg.train.seed) for c in range(4)}
+    for r in range(3):
+        seen.clear()
+        reports, stats = b.train_round(r, [0, 1, 2, 3])
+        uploads = sorted(got[-1], key=lambda u: u.client_id)
+        assert [u.client_id for u in uploads] == [0, 1, 2, 3]
+        for u in uploads:  # (a) from the model before this round's training; 1e-5: the same float32 forward, batched alike
+            h = host_of[u.client_id]
+            torch.testing.assert_close(u.tensors["protos"], _class_means(m, h.env, before[u.client_id], h.data[u.client_id]),
+                                       atol=1e-5, rtol=1e-5)
+        P, has = aggregate_prototypes(*stack_uploads(uploads), "samples")
+        assert bool(has.all()) and float(P.abs().sum()) > 0  # round 0 too: prototypes of the untrained adapters
+        assert sorted(c for c, _ in seen) == [0, 1, 2, 3]
+        for _, shared in seen:  # (b)-(d): every client trained with the aggregate of this round's releases
+            assert torch.equal(shared["protos"], b.server.state["protos"]) and torch.equal(shared["has"], b.server.state["has"])
+            torch.testing.assert_close(shared["protos"], P, atol=1e-6, rtol=1e-6)  # the same sums in the same order
+        assert all(math.isfinite(x.loss) and x.bytes_up == uploads[0].nbytes() for x in reports)  # loss of training, bytes of the release
+        assert stats["bytes_up"] == sum(u.nbytes() for u in uploads)
+        before = {c: copy.deepcopy(host_of[c].private[c]) for c in range(4)}  # the models the next round releases from
+
+
 # ------------------------------------------------------------------------------------------ end to end
 @pytest.mark.parametrize("privacy", ["none", "igpp", "vpdr"])
 def test_inline_and_ray_give_identical_results(tmp_path, cache_dir, backbone, ray_session, privacy):
