@@ -213,6 +213,30 @@ def test_round_order_is_spec_3_4_release_aggregate_then_train(tmp_path, cache_di
         before = {c: copy.deepcopy(host_of[c].private[c]) for c in range(4)}  # the models the next round releases from
 
 
+def test_the_audit_attacks_each_release_with_the_model_that_made_it(tmp_path, cache_dir, backbone):
+    """raysim.audit's white-box model for a round-r release of a release_first method is the state the
+    client entered round r with (round 0: its initial model), not its checkpoint after round r's training:
+    with privacy=none the recorded release is exactly that model's class means."""
+    from raysim.audit import RunView
+    from raysim.engine import run
+    from raysim.store import StateStore
+
+    v = values(tmp_path, cache_dir, "none", backbone=backbone, rounds=2)
+    v["output"]["record_uploads"] = True
+    res = run(build_config(v))
+    view = RunView.open(res.out_dir)
+    store = StateStore(str(res.out_dir))
+    for r in (0, 1):
+        record = store.load_uploads(r)
+        for c in range(4):
+            data = view.data.client(c)
+            means = _class_means(view.method, view.env, view.release_state(c, r)["private"], data)
+            # 1e-5: the same float32 forward pass, in the same batches, as the client's release
+            torch.testing.assert_close(record["uploads"][c]["protos"], means, atol=1e-5, rtol=1e-5)
+            after = _class_means(view.method, view.env, view.client_state(c, r)["private"], data)
+            assert not torch.allclose(record["uploads"][c]["protos"], after, atol=1e-5)  # the trained model did not make it
+
+
 # ------------------------------------------------------------------------------------------ end to end
 @pytest.mark.parametrize("privacy", ["none", "igpp", "vpdr"])
 def test_inline_and_ray_give_identical_results(tmp_path, cache_dir, backbone, ray_session, privacy):
