@@ -3,6 +3,8 @@ that resumes from the last completed round and replays the current one, so every
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import tiny_config
@@ -82,7 +84,9 @@ def test_restarts_are_bounded(tmp_path, cache_dir, ray_session):
 
 
 def _same(a, b) -> bool:
-    """Exact equality of nested private states (tensors, dicts, lists, plain values)."""
+    """Exact equality of nested values (tensors, dicts, lists, tuples, plain values; nan equals nan)."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
     if isinstance(a, dict):
@@ -108,7 +112,7 @@ def test_dead_actors_mid_round_of_a_release_first_method_leave_results_unchanged
     replays both phases before evaluation; a server killed after aggregating re-aggregates the releases.
     Every report, server stat, evaluation row and final private state equals the uninterrupted run's."""
     opts = dict(method="vpdr_fedproto", data={"dataset": "digits4", "partition": "domain", "shots": 0},
-                train={"num_clients": 4, "rounds": 3, "batch_size": 64, "local_epochs": 1},
+                train={"num_clients": 4, "rounds": 2, "batch_size": 64, "local_epochs": 1},
                 execution={"backend": "ray", "num_actors": 2, "max_actor_restarts": 4}, eval={"protocol": "vpdr"},
                 dp={"epsilon": 1.0}, vpdr_fedproto={"privacy": "vpdr", "backbone": tiny_vit})
     ref, ref_private, none = _rounds(tiny_config(tmp_path / "ref", cache_dir, **opts))
@@ -117,15 +121,15 @@ def test_dead_actors_mid_round_of_a_release_first_method_leave_results_unchanged
     def kill(b, r, stage):
         if (r, stage) == (0, "release"):  # released, not yet trained: the train call finds it dead
             ray_session.kill(b.hosts[0], no_restart=True)
-        if (r, stage) == (1, "train"):  # both phases done, before evaluation: the new actor replays both
+        if (r, stage) == (0, "train"):  # both phases done, before evaluation: the new actor replays both
             ray_session.kill(b.hosts[1], no_restart=True)
-        if (r, stage) == (1, "committed"):  # between rounds
+        if (r, stage) == (0, "committed"):  # between rounds
             ray_session.kill(b.hosts[0], no_restart=True)
-        if (r, stage) == (2, "train"):  # the server, after aggregating the releases: a new one re-aggregates them
+        if (r, stage) == (1, "train"):  # the server, after aggregating the releases: a new one re-aggregates them
             ray_session.kill(b.server, no_restart=True)
 
     got, private, restarts = _rounds(tiny_config(tmp_path / "faulty", cache_dir, **opts), kill)
     assert restarts == 4  # each kill found and handled
-    assert got == ref
+    assert _same(got, ref)  # the VPDR protocol's rows hold nan (no cross-client split), hence not ==
     for c, state in ref_private.items():
         assert _same(state, private[c]), c
