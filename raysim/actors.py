@@ -6,7 +6,9 @@ the inline backend calls them directly, so both backends run exactly the same co
 A ClientHost holds the method's frozen parts once, and per client: the data slice and the private state;
 its `HostPrivacy` (privacy/host.py) holds each client's calibrated noise and ledger and checks every upload
 against the method's declared releases. Private state leaves the host only into the client's own
-checkpoint; metrics go to the driver, never to the server.
+checkpoint; metrics go to the driver, never to the server. A round is one `train` call per host, or for a
+method that releases first (`Method.release_first`, SPEC 3.4) a `release` call, the server's
+aggregation, then a `train` call whose uploads are empty (raysim/backends.py).
 """
 
 from __future__ import annotations
