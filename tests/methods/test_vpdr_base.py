@@ -237,6 +237,40 @@ def test_the_audit_attacks_each_release_with_the_model_that_made_it(tmp_path, ca
             assert not torch.allclose(record["uploads"][c]["protos"], after, atol=1e-5)  # the trained model did not make it
 
 
+@pytest.mark.parametrize("policy,phase", [("drop", "release"), ("drop", "train"), ("fail", "train")])
+def test_a_failed_release_or_training_follows_the_policy_and_the_ledger_tells_the_truth(tmp_path, cache_dir, backbone,
+                                                                                         policy, phase):
+    """Client 2 of a release_first method fails in round 1. Release failed: nothing left it, so it is left out
+    of the aggregate and of training, and its ledger holds round 0's release only. Training failed: its release
+    was aggregated and stays charged, its model stays as before the round. Under fail the run stops naming it."""
+    import flaky_method  # noqa: F401  (registers the test-only flaky_vpdr)
+
+    from raysim.engine import run
+    from raysim.errors import ClientFailure
+    from raysim.privacy.ledger import PrivacyLedger
+    from raysim.store import StateStore
+
+    v = values(tmp_path, cache_dir, "igpp", backbone=backbone, rounds=2)
+    section = v.pop("vpdr_fedproto")
+    v["execution"]["on_client_error"] = policy
+    v.update(method="flaky_vpdr", flaky_vpdr={**section, "client": 2, "round": 1, "phase": phase})
+    if policy == "fail":
+        with pytest.raises(ClientFailure, match="client 2 failed in round 1: RuntimeError: flaky client 2 broke in its train"):
+            run(build_config(v))
+        return
+    res = run(build_config(v))
+    results = rows(res.out_dir / "results.csv")
+    assert [int(r["dropped"]) for r in results] == [0, 1]
+    sent = 3 if phase == "release" else 4  # a failed training comes after the release was sent
+    assert int(results[1]["bytes_up"]) * 4 == int(results[0]["bytes_up"]) * sent
+    store = StateStore(str(res.out_dir))
+    state = store.load_client(2, 1)
+    releases = [r for r in PrivacyLedger.from_dict(state["privacy"]["ledger"]).releases if r.mechanism == "igpp"]
+    assert [r.round for r in releases] == ([0] if phase == "release" else [0, 1])
+    before = store.load_client(2, 0)["private"]["model"]
+    assert all(torch.equal(before[k], state["private"]["model"][k]) for k in before)  # round 1 trained nothing into it
+
+
 # ------------------------------------------------------------------------------------------ end to end
 @pytest.mark.parametrize("privacy", ["none", "igpp", "vpdr"])
 def test_inline_and_ray_give_identical_results(tmp_path, cache_dir, backbone, ray_session, privacy):
