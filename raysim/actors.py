@@ -153,7 +153,10 @@ class ClientHost:
         before the round (nothing left it, so nothing is charged). The driver applies the policy
         (`check_round`). Under on_client_error=fail the host stops at its first failed client: the run
         stops anyway. Privacy errors (UploadViolation, PrivacyBudgetExceeded) and other RaysimErrors
-        always propagate: they are not client faults but the privacy checks doing their job."""
+        always propagate: they are not client faults but the privacy checks doing their job.
+        For a `release_first` method this is the round's second half, after the server aggregated the
+        clients' `release`: local_train must upload nothing, and a failed client keeps its state and ledger
+        as after its release (which was sent, so stays charged)."""
         uploads, reports = [], []
         shared = {k: v.to(self.device) for k, v in shared.items()}
         drop = self.cfg.execution.on_client_error == "drop"
