@@ -132,9 +132,8 @@ def worker_engine(spec: dict, report, wait, backend: str) -> None:
 
     values = merge_config(spec["config"], {"execution": {"backend": backend}, "output": {"out_dir": spec["out_dir"]}})
     if backend == "ray":
-        import ray
-
         import benchlib
+        import ray
 
         values["execution"]["num_actors"] = spec["actors"]
         os.environ["PYTHONPATH"] = benchlib.bench_pythonpath()  # the actors import benchlib (the setup hook)
