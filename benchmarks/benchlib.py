@@ -5,6 +5,7 @@ Imported by the benchmark scripts (their folder is sys.path[0] when run as `pyth
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import json
@@ -85,7 +86,12 @@ def tree_memory(pid: int | None = None) -> dict[str, Any]:
     Ray worker): RSS summed (counts shared pages, e.g. the object store, once per process that maps them),
     PSS summed (shared pages split between the processes that map them: the machine's real total), and the
     same split into driver / Ray workers (`ray::` processes) / the rest (Ray's own daemons)."""
-    import psutil
+    try:
+        import psutil
+    except ImportError:  # not a dependency of raysim's: Ray ships a copy, on sys.path once ray is imported
+        import ray  # noqa: F401
+
+        psutil = importlib.import_module("psutil")
 
     top = psutil.Process(pid or os.getpid())
     out = {"processes": 0, "rss": 0, "pss": 0, "driver_pss": 0, "workers_pss": 0, "workers": 0, "other_pss": 0}
