@@ -31,7 +31,8 @@ variable RAYSIM_FLOWER_PYTHON): a venv that sees raysim's packages (torch, open_
     /opt/flwr-venv/bin/pip install "flwr[simulation]==1.42.0"
 
 (pip installs flwr's own protobuf, typer, packaging and ray 2.55.1 into that venv, which shadow raysim's
-there; raysim's venv is not touched). raysim is imported in it from this source tree. Without a Flower
+there; raysim's venv is not touched; where raysim's venv itself reaches its packages through a .pth
+file, copy that file instead). This was checked with flwr 1.42.0. raysim is imported in it from this source tree. Without a Flower
 Python the benchmark runs the other three and says why Flower is absent.
 """
 
