@@ -47,7 +47,7 @@ def build(method_name: str, args):
     cfg = build_config({
         "method": method_name,
         "model": {"name": args.model, "pretrained": args.pretrained},
-        "train": {"batch_size": args.batch, "n_ctx": args.n_ctx, "num_clients": 1},
+        "train": {"batch_size": args.batch, "n_ctx": args.n_ctx, "num_clients": 1, "ctx_init": ""},
         "execution": {"backend": "inline", "device": args.device, "num_threads": args.threads},
     })
     method = make_method(cfg)
