@@ -77,7 +77,10 @@ def auto_microbatch(per_sample_loss: Tensor, budget_bytes: float = 2**30) -> int
     fn = per_sample_loss.grad_fn
     if b <= 1 or fn is None:
         return max(1, b)
-    seen_nodes, seen_tensors, total, stack = set(), set(), 0, [fn]
+    seen_nodes: set[int] = set()
+    seen_tensors: set[tuple] = set()
+    total = 0
+    stack: list = [fn]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen_nodes:
@@ -139,7 +142,8 @@ def _per_sample_and_sum(per_sample_loss: Tensor, params: list[Tensor], summed: l
             chunks[j].append(gs[j].detach())
         for k in range(len(summed)):
             part = gs[len(params) + k].detach().sum(dim=0)
-            sums[k] = part if sums[k] is None else sums[k] + part
+            prev = sums[k]
+            sums[k] = part if prev is None else prev + part
     per_example = [torch.cat(parts, dim=0) for parts in chunks]
     return per_example, [s if s is not None else torch.zeros_like(p) for s, p in zip(sums, summed)]
 

@@ -466,7 +466,7 @@ class HFTextTower(TextTower):
         mask = mask[:, :t].to(embeds.device)
         return self._run_fast(embeds[:, :t], mask, mask)
 
-    def run(self, x: Tensor, mask: Tensor, index: Tensor) -> Tensor:
+    def run(self, x: Tensor, mask: Tensor | None, index: Tensor) -> Tensor:
         # transformers builds the encoder with attn_implementation="sdpa" where torch has it (README "GPUs")
         out = self.encoder(inputs_embeds=x, attention_mask=mask)
         return self.proj(self.pooler(out, mask))
