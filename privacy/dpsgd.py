@@ -65,14 +65,25 @@ def _rows_vjp(per_sample_loss: Tensor, params: Sequence[Tensor], start: int, sto
     return [_zeros_like_batched(p, n) if g is None else g for g, p in zip(gs, params)]
 
 
-def auto_microbatch(per_sample_loss: Tensor, budget_bytes: float = 2**30) -> int:
+def default_budget(device: torch.device) -> float:
+    """Bytes the batched backward may use: 1 GiB on a CPU, an eighth of a GPU's total memory (the device's
+    size, not what is free now)."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory) / 8
+    return float(2**30)
+
+
+def auto_microbatch(per_sample_loss: Tensor, budget_bytes: float | None = None) -> int:
     """Rows per batched backward so that the backward's transient memory stays near `budget_bytes`.
 
-    One cotangent row pulled back through the graph needs about as much memory as the tensors the
-    forward saved for backward (every saved activation gets a gradient of its size, one per row), so this
-    is budget / (bytes saved in `per_sample_loss`'s graph), in [1, B]. It depends only on the graph's
-    shapes, never on the memory free at the moment, so a run's results do not depend on the machine's
-    load (the microbatch changes summation order, hence the last float bits)."""
+    One cotangent row pulled back through the graph needs at most about as much memory as the tensors the
+    forward saved for backward (every saved activation gets at most one gradient of its size per row), so
+    this is budget / (bytes saved in `per_sample_loss`'s graph), in [1, B]: conservative, since most of
+    those gradients are freed before the next layer's are made. It depends only on the graph's shapes and
+    the device's size (`default_budget`), never on the memory free at the moment, so a run's results do
+    not depend on the machine's load (the microbatch changes summation order, hence the last float bits)."""
+    if budget_bytes is None:
+        budget_bytes = default_budget(per_sample_loss.device)
     b = int(per_sample_loss.shape[0])
     fn = per_sample_loss.grad_fn
     if b <= 1 or fn is None:
