@@ -2,6 +2,7 @@
 
     python benchmarks/dp_cost.py [--methods promptfl,fedsept] [--batch 16] [--steps 4] [--repeats 3]
                                  [--microbatch 8] [--threads 1] [--model raysim-clip --pretrained bundled]
+                                 [--before old_dpsgd.py]   # e.g. git show c596a1a:privacy/dpsgd.py > old_dpsgd.py
 
 The default run's setting (README "The offline benchmark"): raysim-clip, the 10 `synthetic` class names,
 n_ctx=4, every client holding 16 examples, so a DP-SGD batch of B=16 (Poisson with q=1). Each method's own
@@ -65,19 +66,33 @@ def client_data(env, n: int, num_classes: int, torch):
     return ClientData(0, x, y, x[:0], y[:0], num_classes)
 
 
-def handle(dp: bool, microbatch: int, torch):
+BEFORE = None  # the DPSGD class of another privacy/dpsgd.py (--before), timed beside this one's
+
+
+def load_before(path: str):
+    """The DPSGD class of a privacy/dpsgd.py file, e.g. a previous version: `git show REV:privacy/dpsgd.py > old.py`."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("raysim.privacy._dpsgd_before", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.DPSGD
+
+
+def handle(dp: bool, microbatch: int, torch, cls=None):
     from raysim.privacy import DPSGD, NoDP
 
     if not dp:
         return NoDP()
-    return DPSGD(sigma=1.0, clip=1.0, sample_rate=1.0, generator=torch.Generator().manual_seed(1), microbatch=microbatch)
+    return (cls or DPSGD)(sigma=1.0, clip=1.0, sample_rate=1.0, generator=torch.Generator().manual_seed(1), microbatch=microbatch)
 
 
-def step_seconds(method, env, shared, private, data, dp: bool, microbatch: int, torch) -> tuple[float, float]:
+def step_seconds(method, env, shared, private, data, dp: bool, microbatch: int, torch, cls=None) -> tuple[float, float]:
     """(wall, CPU) seconds per step: on a shared machine the process's CPU time is the steadier of the two."""
     from raysim.sampling import generator
 
-    h = handle(dp, microbatch, torch)
+    h = handle(dp, microbatch, torch, cls)
     t0, c0 = time.perf_counter(), time.process_time()
     method.local_train(env, shared, private, data, rng=generator(1, "bench"), privacy=h)
     steps = max(1, h.steps)
@@ -101,12 +116,12 @@ def text_flops(method, env, shared, private, torch) -> tuple[float, float, int]:
     return float(forward), float(backward), int(text.numel() // text.shape[-1])
 
 
-def step_flops(method, env, shared, private, data, dp: bool, microbatch: int, torch) -> float:
+def step_flops(method, env, shared, private, data, dp: bool, microbatch: int, torch, cls=None) -> float:
     from torch.utils.flop_counter import FlopCounterMode
 
     from raysim.sampling import generator
 
-    h = handle(dp, microbatch, torch)
+    h = handle(dp, microbatch, torch, cls)
     with FlopCounterMode(display=False) as fc:
         method.local_train(env, shared, private, data, rng=generator(1, "bench"), privacy=h)
     return fc.get_total_flops() / max(1, h.steps)
@@ -125,7 +140,10 @@ def main(argv=None) -> int:
     p.add_argument("--microbatch", type=int, default=8, help="dp.microbatch for the DP handle (0 = automatic)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--before", default="", help="another privacy/dpsgd.py (e.g. `git show REV:privacy/dpsgd.py > old.py`) "
+                   "whose DP step is timed and counted beside this one's, alternating")
     args = p.parse_args(argv)
+    before = load_before(args.before) if args.before else None
 
     rows = []
     for name in [m.strip() for m in args.methods.split(",") if m.strip()]:
@@ -138,16 +156,24 @@ def main(argv=None) -> int:
         private = method.init_private(env, data, generator(1, "init", 0))
         step_seconds(method, env, shared, private, data, False, args.microbatch, torch)  # warm-up (allocator, first calls)
         step_seconds(method, env, shared, private, data, True, args.microbatch, torch)
-        plain, dp = [], []
+        plain, dp, old = [], [], []
         for _ in range(args.repeats):
             plain.append(step_seconds(method, env, shared, private, data, False, args.microbatch, torch))
             dp.append(step_seconds(method, env, shared, private, data, True, args.microbatch, torch))
+            if before is not None:
+                old.append(step_seconds(method, env, shared, private, data, True, args.microbatch, torch, before))
         f, bw, seqs = text_flops(method, env, shared, private, torch)
         one = client_data(env, args.batch, len(env.classnames), torch)  # one step each for the FLOP count
         counted = step_flops(method, env, shared, private, one, True, args.microbatch, torch) / max(
             1.0, step_flops(method, env, shared, private, one, False, args.microbatch, torch))
         b = args.batch
-        rows.append(dict(method=name, seqs=seqs, plain=statistics.median(t[0] for t in plain), dp=statistics.median(t[0] for t in dp),
+        extra = {}
+        if before is not None:
+            extra = dict(old_cpu=statistics.median(t[1] for t in old), old_counted=step_flops(
+                method, env, shared, private, one, True, args.microbatch, torch, before) / max(
+                1.0, step_flops(method, env, shared, private, one, False, args.microbatch, torch)))
+        rows.append(dict(**extra, method=name, seqs=seqs,
+                         plain=statistics.median(t[0] for t in plain), dp=statistics.median(t[0] for t in dp),
                          plain_cpu=statistics.median(t[1] for t in plain), dp_cpu=statistics.median(t[1] for t in dp),
                          bound=(f + b * bw) / (f + bw), r=bw / max(f, 1.0), counted=counted))
 
@@ -160,6 +186,13 @@ def main(argv=None) -> int:
         print(f"| {r['method']} | {r['seqs']} | {r['plain']:.4f} ({r['plain_cpu']:.4f}) | {r['dp']:.4f} ({r['dp_cpu']:.4f}) | "
               f"{r['dp'] / r['plain']:.2f} ({r['dp_cpu'] / r['plain_cpu']:.2f}) | "
               f"{r['bound']:.2f} | {r['r']:.2f} | {r['counted']:.2f} |")
+    if before is not None:
+        print(f"\nBefore ({args.before}), the same steps alternated with the ones above:\n")
+        print("| method | DP / non-DP (CPU), before | after | counted FLOP ratio, before | after |")
+        print("|---|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['method']} | {r['old_cpu'] / r['plain_cpu']:.2f} | {r['dp_cpu'] / r['plain_cpu']:.2f} | "
+                  f"{r['old_counted']:.2f} | {r['counted']:.2f} |")
     return 0
 
 
