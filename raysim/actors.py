@@ -54,10 +54,11 @@ def make_method(cfg: RunConfig) -> Method:
 
 
 def env_spec(cfg: RunConfig, classnames: list[str]) -> EnvSpec:
-    from raysim.models.clip import ModelSpec, resolve_device
+    from raysim.models.clip import FastPaths, ModelSpec, resolve_device
 
     return EnvSpec(
-        model=ModelSpec(cfg.model.name, cfg.model.pretrained, cache_dir=cfg.output.cache_dir),
+        model=ModelSpec(cfg.model.name, cfg.model.pretrained, cache_dir=cfg.output.cache_dir,
+                        fast=FastPaths(cfg.execution.autocast, cfg.execution.compile)),
         classnames=list(classnames),
         device=str(resolve_device(cfg.execution.device)),
         dataset=cfg.data.dataset,
