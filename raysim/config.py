@@ -91,6 +91,9 @@ class EvalConfig:
     every: int = 5
     last: int = 5
     batch_size: int = 512
+    # clients evaluated per evaluated round: 0 = all; N = a sample of N clients drawn once from train.seed (the
+    # same every round); a sampled client's Cross-Client accuracy is on the other sampled clients' test splits
+    clients: int = 0
 
 
 @dataclass
@@ -390,7 +393,7 @@ def validate(cfg: RunConfig) -> None:
     cfg.method = cfg.method.lower()
     _validate_data(cfg.data)
     _validate_train(cfg.train)
-    _validate_eval(cfg.eval)
+    _validate_eval(cfg.eval, cfg.train)
     _validate_execution(cfg.execution, cfg.train)
     _validate_dp(cfg.dp)
     opts = cfg.method_options()
@@ -431,9 +434,12 @@ def _validate_train(t: TrainConfig) -> None:
     _check(t.seed >= 0, f"train.seed must be >= 0, got {t.seed}")
 
 
-def _validate_eval(e: EvalConfig) -> None:
+def _validate_eval(e: EvalConfig, t: TrainConfig) -> None:
     from raysim.evaluation import PROTOCOLS
 
+    _check(0 <= e.clients <= t.num_clients,
+           f"eval.clients is how many clients are evaluated per evaluated round: 0 (all) up to train.num_clients="
+           f"{t.num_clients}; got {e.clients}")
     _check(e.protocol in PROTOCOLS, f"eval.protocol must be one of {', '.join(PROTOCOLS.names())}, got {e.protocol!r}")
     _check(e.batch_size >= 1, f"eval.batch_size must be >= 1, got {e.batch_size}")
     _check(e.every >= 1 and e.last >= 0, "eval.every must be >= 1 and eval.last >= 0")
