@@ -109,7 +109,9 @@ class ExecutionConfig:
     server_gpus: float = field(default=0.0, metadata=RESUMABLE)
     num_threads: int = 1  # torch threads per actor (results are bitwise reproducible for a fixed value)
     device: str = field(default="auto", metadata=RESUMABLE)  # auto | cpu | cuda
-    address: str = field(default="", metadata=RESUMABLE)  # join an existing Ray cluster ("auto" on a `ray up` head)
+    # "" = join the cluster `ray start --head` runs on this machine when one is up, else start one here;
+    # "local" = always start a new one here; "auto" (on a node of a running cluster) or HOST:PORT = join that one
+    address: str = field(default="", metadata=RESUMABLE)
     max_actor_restarts: int = field(default=3, metadata=RESUMABLE)  # actors replaced after a crash, per run
     # client failures: a client whose local training raises, uploads a non-finite tensor or takes longer
     # than client_timeout seconds (0 = no limit) stops the run (fail) or is left out of its round (drop);
