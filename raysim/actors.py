@@ -234,7 +234,8 @@ class ClientHost:
 
     def score_hits(self, hits: Any, client_ids: list[int]) -> list[dict[str, Any]]:
         """The evaluation rows of `client_ids` from the global model's hits (`global_hits`, all parts merged)."""
-        return [{"client": cid, **self.protocol.score_hits(cid, hits), "epsilon": self.epsilon(cid)} for cid in sorted(client_ids)]
+        cids = sorted(client_ids)
+        return [{"client": c, **row, "epsilon": self.epsilon(c)} for c, row in zip(cids, self.protocol.score_many(cids, hits))]
 
     def commit(self, round_idx: int) -> None:
         """Write the private state of every client that changed this round, then drop stale versions."""

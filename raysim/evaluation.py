@@ -88,6 +88,10 @@ class Protocol:
         """The client's numbers from its model's hits on `rows(among)` (or on its `client_rows` alone)."""
         raise NotImplementedError
 
+    def score_many(self, client_ids: Sequence[int], hits: Hits) -> list[dict[str, Any]]:
+        """`score_hits` of each of `client_ids` from one model's hits (a protocol may do it in one pass)."""
+        return [self.score_hits(c, hits) for c in client_ids]
+
     def score(self, client_id: int, predict: Callable[..., Tensor], among: Optional[Sequence[int]] = None) -> dict[str, Any]:
         return self.score_hits(client_id, self.hits(predict, self.client_rows(client_id, among)))
 
@@ -174,6 +178,30 @@ class InCross(Protocol):
             "n_in": int(own.sum()),
             "n_cross": int((~own).sum()),
         }
+
+    def score_many(self, client_ids: Sequence[int], hits: Hits) -> list[dict[str, Any]]:
+        """As score_hits for each client, from per-owner hit counts (one pass over the rows, not one per
+        client): In = own hits / own rows, Cross = (all hits - own hits) / (all rows - own rows)."""
+        owner = self.owner[hits.rows]
+        size = int(owner.max()) + 1 if len(owner) else 0
+        n = np.bincount(owner, minlength=size)
+        h1 = np.bincount(owner, weights=hits.top1, minlength=size)
+        h5 = np.bincount(owner, weights=hits.top5, minlength=size)
+        total, t1, t5 = int(n.sum()), float(h1.sum()), float(h5.sum())
+        out = []
+        for c in client_ids:
+            n_in = int(n[c]) if c < size else 0
+            a1, a5 = (float(h1[c]), float(h5[c])) if c < size else (0.0, 0.0)
+            n_cross = total - n_in
+            out.append({
+                "in_client": a1 / n_in if n_in else math.nan,
+                "cross_client": (t1 - a1) / n_cross if n_cross else math.nan,
+                "in_top5": a5 / n_in if n_in else math.nan,
+                "cross_top5": (t5 - a5) / n_cross if n_cross else math.nan,
+                "n_in": n_in,
+                "n_cross": n_cross,
+            })
+        return out
 
 
 # ------------------------------------------------------------------------------------ FedTSP's protocol

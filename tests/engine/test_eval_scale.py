@@ -208,3 +208,30 @@ def _conformance():
         spec.loader.exec_module(mod)
         sys.modules["raysim_test_conformance"] = mod
     return sys.modules["raysim_test_conformance"]
+
+
+def test_scoring_many_clients_in_one_pass_equals_scoring_each():
+    """InCross.score_many (per-owner hit counts) against score_hits (masks), with a client that has no
+    test rows and one that is not evaluated; on all rows and on an evaluated subset's rows."""
+    from raysim.data.federation import FederationData
+    from raysim.evaluation import Hits, InCross
+
+    owner = np.array([0, 0, 1, 1, 1, 3, 3, 0, 1, 3])
+    fed = FederationData(
+        x_train=np.zeros((0, 1), np.float32), y_train=np.zeros(0, np.int64),
+        x_test=np.zeros((len(owner), 1), np.float32), y_test=np.zeros(len(owner), np.int64),
+        train_idx=[np.zeros(0, np.int64)] * 4, test_idx=[np.flatnonzero(owner == c) for c in range(4)],
+        classnames=["a", "b"],
+    )
+    p = InCross(fed, batch_size=3)
+    rng = np.random.default_rng(0)
+    for among in (None, [0, 2, 3]):
+        rows = p.rows(among)
+        hits = Hits(rows, rng.random(len(rows)) < 0.5, rng.random(len(rows)) < 0.8)
+        clients = [0, 1, 2, 3] if among is None else among
+        fast, slow = p.score_many(clients, hits), [p.score_hits(c, hits) for c in clients]
+        for c, a, b in zip(clients, fast, slow):
+            assert (a["n_in"], a["n_cross"]) == (b["n_in"], b["n_cross"]), c
+            for k in ("in_client", "cross_client", "in_top5", "cross_top5"):
+                assert (math.isnan(a[k]) and math.isnan(b[k])) or a[k] == pytest.approx(b[k], abs=SAME), (c, k)
+        assert math.isnan(fast[clients.index(2)]["in_client"])  # client 2 has no test rows
