@@ -140,7 +140,7 @@ SECTIONS: dict[str, type] = {
 
 # the flat keys of the previous release -> their place now (accepted with a deprecation message)
 RENAMED = {"model": "model.name", "pretrained": "model.pretrained", "evaluation": "eval.protocol",
-           "eval_every": "eval.every", "eval_last": "eval.last", "test_batch_size": "eval.batch_size"}
+           "eval_every": "eval.every", "eval_last": "eval.last", "eval_clients": "eval.clients", "test_batch_size": "eval.batch_size"}
 for _section, _cls in SECTIONS.items():
     if _section in ("model", "eval", "dp"):
         continue
