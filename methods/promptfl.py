@@ -18,6 +18,7 @@ from raysim.privacy.mechanisms import dpsgd
 class PromptFL(ClipPromptMethod):
     name = "promptfl"
     releases = {"ctx": dpsgd()}
+    global_predictor = True  # every client predicts with the broadcast context
     supports_ctx_init = True
 
     def init_shared(self, env, rng):
