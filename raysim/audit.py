@@ -782,9 +782,50 @@ def audit_folder(folder: str | Path, **kw: Any) -> list[AuditResult]:
     return results
 
 
+ATTACK_LINES = {"prototype": (("auc", "MIA ROC-AUC"), ("Cos Sim", "FSH Cos Sim")),
+                "update": (("update-only mean_auc", "update-only AUC"), ("update-and-query mean_auc", "update-and-query AUC"),
+                           ("CLIPCos", "GIA CLIPCos"))}
+UTILITY_LINE = {"prototype": ("in_client", "In-Client acc"), "update": ("hm", "HM")}
+
+
+@dataclass
+class Series:
+    family: str
+    label: str  # "MIA ROC-AUC (fedproto IGPP)"
+    kind: str  # "attack" (left axis) or "utility" (right axis)
+    group: int  # the (method, LDP) line's colour index
+    epsilons: list[float]  # inf = no DP
+    values: list[float]
+
+
+def epsilon_series(results: list[AuditResult]) -> list[Series]:
+    """The lines of audit_vs_epsilon.png: per family and (method, LDP mechanism), each attack metric the
+    runs have and the utility, against epsilon. A method's no-DP run joins each of its DP lines."""
+    out: list[Series] = []
+    for fam in sorted({r.family for r in results}):
+        runs = [r for r in results if r.family == fam]
+        groups: dict[str, list[AuditResult]] = {}
+        for r in runs:
+            groups.setdefault(r.method if r.ldp == "NoLDP" else f"{r.method} {r.ldp}", []).append(r)
+        nodp = [r for r in runs if math.isinf(r.epsilon)]
+        dp_methods = {r.method for r in runs if math.isfinite(r.epsilon)}
+        groups = {k: v for k, v in groups.items() if any(math.isfinite(r.epsilon) for r in v) or v[0].method not in dp_methods}
+        for gi, (name, rs) in enumerate(sorted(groups.items())):
+            rs = sorted(rs + [n for n in nodp if n.method == rs[0].method and n not in rs], key=lambda r: r.epsilon)
+            eps = [r.epsilon for r in rs]
+            for key, label in ATTACK_LINES[fam]:
+                ys = [r.summary.get(key, (math.nan, 0))[0] for r in rs]
+                if not all(math.isnan(y) for y in ys):
+                    out.append(Series(fam, f"{label} ({name})", "attack", gi, eps, ys))
+            key, label = UTILITY_LINE[fam]
+            out.append(Series(fam, f"{label} ({name})", "utility", gi, eps, [r.utility.get(key, math.nan) for r in rs]))
+    return out
+
+
 def plot_vs_epsilon(results: list[AuditResult], path: Path) -> Optional[Path]:
-    """Attack metrics (left axis) and utility (right axis) against epsilon, one line per (method, LDP
-    mechanism); no DP is drawn at the right end. None when the runs have fewer than two epsilons."""
+    """Attack metrics (left axis: MIA AUC, FSH Cos Sim, GIA CLIPCos) and utility (right axis, dashed)
+    against epsilon, one colour per (method, LDP mechanism); no DP is drawn at the right end. None when
+    the runs have fewer than two epsilons."""
     eps = sorted({r.epsilon for r in results})
     if len(eps) < 2:
         return None
@@ -795,37 +836,26 @@ def plot_vs_epsilon(results: list[AuditResult], path: Path) -> Optional[Path]:
 
     finite = [e for e in eps if math.isfinite(e)]
     inf_x = (max(finite) * 1.5 if finite else 1.0) if math.inf in eps else None
-    families = sorted({r.family for r in results})
+    series = epsilon_series(results)
+    families = sorted({s.family for s in series})
     fig, axes = plt.subplots(1, len(families), figsize=(6.5 * len(families), 4.2), squeeze=False)
     for ax, fam in zip(axes[0], families):
-        runs = [r for r in results if r.family == fam]
-        metrics = [("auc", "MIA ROC-AUC"), ("Cos Sim", "FSH Cos Sim")] if fam == "prototype" else \
-            [("update-only mean_auc", "update-only AUC"), ("update-and-query mean_auc", "update-and-query AUC"),
-             ("CLIPCos", "GIA CLIPCos")]
-        util_key, util_name = ("in_client", "In-Client acc") if fam == "prototype" else ("hm", "HM")
         right = ax.twinx()
-        groups: dict[str, list[AuditResult]] = {}
-        for r in runs:
-            key = r.method if r.ldp == "NoLDP" else f"{r.method} {r.ldp}"
-            groups.setdefault(key, []).append(r)
-        nodp = [r for r in runs if math.isinf(r.epsilon)]
-        dp_methods = {r.method for r in runs if math.isfinite(r.epsilon)}
-        groups = {k: v for k, v in groups.items() if any(math.isfinite(r.epsilon) for r in v) or v[0].method not in dp_methods}
-        for gi, (name, rs) in enumerate(sorted(groups.items())):  # no-DP runs join each DP line of their method
-            rs = sorted(rs + [n for n in nodp if n.method == rs[0].method and n not in rs], key=lambda r: r.epsilon)
-            xs = [inf_x if math.isinf(r.epsilon) else r.epsilon for r in rs]
-            for mi, (k, label) in enumerate(metrics):
-                ys = [r.summary.get(k, (math.nan, 0))[0] for r in rs]
-                if not all(math.isnan(y) for y in ys):
-                    ax.plot(xs, ys, marker="os^"[mi % 3], linestyle="-", color=f"C{gi}", label=f"{label} ({name})")
-            ys = [r.utility.get(util_key, math.nan) for r in rs]
-            right.plot(xs, ys, marker="x", linestyle="--", color=f"C{gi}", alpha=0.6, label=f"{util_name} ({name})")
+        marks: dict[str, str] = {}
+        for line in (s for s in series if s.family == fam):
+            xs = [inf_x if math.isinf(e) else e for e in line.epsilons]
+            if line.kind == "utility":
+                right.plot(xs, line.values, marker="x", linestyle="--", color=f"C{line.group}", alpha=0.6, label=line.label)
+            else:
+                metric = line.label.split(" (")[0]
+                mark = marks.setdefault(metric, "os^dv"[len(marks) % 5])
+                ax.plot(xs, line.values, marker=mark, linestyle="-", color=f"C{line.group}", label=line.label)
         ax.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
         ticks = finite + ([inf_x] if inf_x is not None else [])
         ax.set_xticks(ticks, [f"{e:g}" for e in finite] + (["no DP"] if inf_x is not None else []))
         ax.set_xlabel("ε (local DP budget)")
         ax.set_ylabel("attack (AUC, Cos Sim)" if fam == "prototype" else "attack (AUC, GIA CLIPCos)")
-        right.set_ylabel(f"utility ({util_name}, dashed)")
+        right.set_ylabel(f"utility ({UTILITY_LINE[fam][1]}, dashed)")
         ax.set_title("prototype attacks (FSH, MIA)" if fam == "prototype" else "update MIA, gradient inversion")
         h1, l1 = ax.get_legend_handles_labels()
         h2, l2 = right.get_legend_handles_labels()
