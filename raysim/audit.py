@@ -17,22 +17,30 @@ method and writes RUN_DIR/audit.md plus CSVs:
   other methods (the FedSEPT family: prompt uploads), fedsept.txt section 5.5 / SPEC 1.12:
     update MIA     the update-only and update-and-query logistic attackers (raysim.attacks.update_mia):
                    mean AUC over rounds, final-round AUC, HM (audit_update_mia.csv)
+    GIA            gradient inversion of the uploaded prompt tensor (raysim.attacks.gradient_inversion),
+                   for the prompt methods that declare loss_parts (PromptFL, FedSEPT, DP-FPL): CLIPCos,
+                   GradCos, PSNR, zero-shot Top-1 agreement, and CLIPCos of random images (the no-leak
+                   level), under a bounded budget (GIABudget: 4 images, 100 iterations, 1 restart, the
+                   first 2 clients of the last round; --gia-* flags) (audit_gia.csv)
 
 Threat model of the prototype attacks (SPEC 3.7): a white-box server that knows each client's model. The
-model behind a round-r release is the client's checkpoint of round r (the prototype methods release after
-their local training). The store keeps each client's last two checkpoints, so the attacks cover the
-recorded rounds whose releasing models are still on disk (`rounds="available"`, the default: the last
-two rounds under full participation), or only the last recorded round (`rounds="last"`).
+model behind a round-r release is the client's checkpoint of round r for a method that releases after
+its local training (the prototype methods here), or the state it entered round r with for one whose
+`release_phase` is "before_train". A run that records its uploads keeps every round's client state
+(output.keep_client_states=auto), so every recorded round is attacked (`rounds="available"`, the
+default; `rounds="last"`: only the last). With keep_client_states=last only the last two rounds' models
+are on disk, and the other rounds are listed as not attacked.
 
-Averaging (the paper's table): a client's metrics are the mean over its attacked classes (FSH) or its
-macro-average over classes (MIA); per round the mean over clients; the reported mean is the mean over
-rounds and the +- is the standard deviation over clients (of the clients' values averaged over rounds).
+Averaging (vpdr.txt E.6.2, SPEC 3.7): a client's metrics are the mean over its attacked classes (FSH) or
+its macro-average over classes (MIA); per round the mean over clients; the reported value is the mean
+over rounds ± the standard deviation over rounds. The GIA's are averaged the same way.
 
 For a folder of runs (a `raysim sweep` experiment, a `raysim compare` output, any folder holding run
 folders) every run is audited (its own audit.md), and FOLDER/audit.md + audit.csv gather one row per run
 in the paper's layout (epsilon, LDP mechanism, metrics, utility). With two or more values of dp.epsilon
-it draws FOLDER/audit_vs_epsilon.png: the attacks' AUC / Cos Sim against epsilon with the utility (HM
-for the update family, In-Client accuracy for the prototype methods) on the same figure.
+it draws FOLDER/audit_vs_epsilon.png: the attacks' AUC / Cos Sim / GIA CLIPCos against epsilon with the
+utility (HM for the update family, In-Client accuracy for the prototype methods) on the same figure.
+Long attacks print progress lines ([k/N], elapsed, estimated time left) to stderr.
 
 A run without uploads/ cannot be audited: the message says to rerun it with output.record_uploads=true
 (exit status 2).

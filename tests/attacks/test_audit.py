@@ -284,14 +284,15 @@ def test_audit_of_a_vpdr_run_writes_the_ledger_and_the_attacks(tmp_path, cache_d
 
     cfg = build_config({
         "method": method, "data": {"dataset": "digits4", "partition": "domain", "shots": 4},
-        "train": {"num_clients": 2, "rounds": 2, "batch_size": 32, "local_epochs": 1},
+        "train": {"num_clients": 4, "rounds": 2, "batch_size": 32, "local_epochs": 1},  # partition=domain: one per domain
         "eval": {"every": 2, "last": 1, "protocol": "vpdr"}, "execution": {"backend": "inline"},
         "output": {"progress": False, "tensorboard": False, "cache_dir": cache_dir, "out_dir": str(tmp_path / method),
                    "record_uploads": True},
         "dp": {"epsilon": 1.0}, method: {"privacy": privacy, "backbone": tiny_vit},
     })
     out = run(cfg).out_dir
-    res = audit_run(out, fsh=FSHConfig(max_steps=3, patience=3, min_steps=1, classes=1), max_per_class=10, progress=False)
+    res = audit_run(out, fsh=FSHConfig(max_steps=3, patience=3, min_steps=1, classes=1), max_per_class=10, progress=False,
+                    clients=[0, 1])
     assert res.family == "prototype" and res.ldp == ("VPDR" if privacy == "vpdr" else "IGPP")
     text = (out / "audit.md").read_text()
     assert "| client | mechanism | sigma | q | steps | rounds | epsilon spent / target |" in text
@@ -336,6 +337,20 @@ def test_the_audit_study_specs_validate_offline():
 
     spec, _ = spec_from_args([str(ROOT / "benchmarks" / "tables" / "vpdr_attacks.yaml")])
     runs = plan(spec, Path("/nonexistent/out"))  # builds and checks every config; runs and writes nothing
+    cfgs = {entry.label: cfg for _, entry, _, cfg in runs}
+    assert set(cfgs) == {"NoLDP", *(f"{m}-eps{e}" for m in ("IGPP", "VPP", "VPDR") for e in (1, 2))}
+    assert all(c.method == "vpdr_fedproto" and c.output.record_uploads and c.data.dataset == "digits4" for c in cfgs.values())
+    from raysim.actors import make_method
+    from raysim.audit import attack_family
+
+    for label, c in cfgs.items():
+        m = make_method(c)
+        assert attack_family(m) == "prototype"  # the audit runs FSH and the prototype MIA on it
+        want = {"NoLDP": "none", "IGPP": "igpp", "VPP": "vpp", "VPDR": "vpdr"}[label.split("-")[0]]
+        assert m.opts.privacy == want and (math.isinf(c.dp.epsilon) if want == "none" else c.dp.epsilon == float(label[-1]))
+
+    spec, _ = spec_from_args([str(ROOT / "benchmarks" / "tables" / "vpdr_attacks_zoo.yaml")])
+    runs = plan(spec, Path("/nonexistent/out"))
     cfgs = {entry.label: cfg for _, entry, _, cfg in runs}
     assert set(cfgs) == {"NoLDP", "IGPP-eps1", "VPP-eps1", "IGPP-eps2", "VPP-eps2"}
     assert all(c.output.record_uploads and c.data.dataset == "digits" for c in cfgs.values())
