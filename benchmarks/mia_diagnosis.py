@@ -65,7 +65,7 @@ def diagnose(run_dir: Path, clients: list[int] | None = None, max_per_class: int
             acc_tr = float((classify(ftr.to(env.device)).argmax(-1).cpu() == cd.y_train).float().mean())
             acc_te = float((classify(fte.to(env.device)).argmax(-1).cpu() == cd.y_test).float().mean())
         released = record["uploads"][cid]["protos"].float()
-        per = {"released": [], "clean": [], "loo": []}
+        per: dict[str, list[float]] = {"released": [], "clean": [], "loo": []}
         shares, ns, spread = [], [], []
         gen = torch.Generator().manual_seed(cid)
         for c in torch.unique(cd.y_train).tolist():
@@ -88,7 +88,8 @@ def diagnose(run_dir: Path, clients: list[int] | None = None, max_per_class: int
             s_loo_n = F.cosine_similarity(b, (n * clean - a[drop]) / (n - 1), dim=-1)
             per["loo"].append(roc_metrics(s_loo.numpy(), s_loo_n.numpy())[0])
             shares.append(float((s_cln - s_loo).mean()))
-            spread.append(float(s_loo_n.std())) if len(b) > 1 else None
+            if len(b) > 1:
+                spread.append(float(s_loo_n.std()))
             ns.append(n)
         rows.append({"client": cid, "round": r, "train acc": acc_tr, "test acc": acc_te, "n / class": float(np.mean(ns)),
                      "AUC released": float(np.mean(per["released"])), "AUC clean": float(np.mean(per["clean"])),

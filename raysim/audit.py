@@ -215,13 +215,35 @@ class RunView:
         return f"{names}+DCR" if knob == "dcr" else names
 
 
+PROTOTYPE_UPLOADS = ("protos", "centres")  # one prototype per class (C, d); labelled centres (K, d) + centre_labels
+
+
 def attack_family(method: Any) -> str:
-    """"prototype" for a method that uploads a prototype release `protos` and has a client model with
-    features(x); "update" otherwise (its uploads are trained tensors: the update MIA applies)."""
-    spec = getattr(method, "releases", {}).get("protos")
-    if spec is not None and spec.kind == "prototype" and callable(getattr(method, "model", None)):
-        return "prototype"
+    """"prototype" for a method that uploads a prototype release (`protos`: one per class, or `centres`
+    with their `centre_labels`: FedPLVM's local cluster centres) and has a client model with features(x);
+    "update" otherwise (its uploads are trained tensors: the update MIA applies)."""
+    releases = getattr(method, "releases", {})
+    for key in PROTOTYPE_UPLOADS:
+        spec = releases.get(key)
+        if spec is not None and spec.kind == "prototype" and callable(getattr(method, "model", None)):
+            return "prototype"
     return "update"
+
+
+def released_prototypes(upload: dict[str, torch.Tensor], labels: torch.Tensor, num_classes: int
+                        ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """(class -> its released prototype(s): (d,) or (k, d) for k centres, and per-class counts the FSH
+    picks its classes by). `protos` uploads: the classes with a positive public count (without one, the
+    client's class counts from `labels`, its training labels: white box); `centres`: each class's
+    centres, counted by how many it has."""
+    if "protos" in upload:
+        protos = upload["protos"].float()
+        counts = upload.get("counts")
+        counts = torch.bincount(labels, minlength=num_classes).float() if counts is None else counts.float()
+        return {c: protos[c] for c in range(len(protos)) if counts[c] > 0}, counts
+    centres, labels = upload["centres"].float(), upload["centre_labels"].long()
+    return ({int(c): centres[labels == c] for c in torch.unique(labels).tolist()},
+            torch.bincount(labels, minlength=num_classes).float())
 
 
 # -- the ledger -------------------------------------------------------------------------------------
@@ -347,15 +369,17 @@ def prototype_attacks(view: RunView, *, rounds: str = "available", fsh: Optional
         for p in model.parameters():
             p.requires_grad_(False)
         extract, classify = extractor_of(method, model), classifier_of(model)
-        released = upload["protos"].float()
-        counts = upload.get("counts", torch.bincount(cdata.y_train, minlength=cdata.num_classes)).float()
+        protos, counts = released_prototypes(upload, cdata.y_train, cdata.num_classes)
+        # the FSH target of a class: its prototype, or the first of its released centres
+        released = torch.zeros(cdata.num_classes, next(iter(protos.values())).shape[-1]) if protos else torch.zeros(0)
+        for c, p in protos.items():
+            released[c] = p.reshape(-1, p.shape[-1])[0]
         train_f = _features(extract, cdata.x_train, env.device)
         line = f"round {r} client {cid}"
         if mia:
             gen = torch.Generator().manual_seed(seed * 1_000_003 + r * 1009 + cid)
             mi, ni = _subsample(cdata.y_train, max_per_class, gen), _subsample(cdata.y_test, max_per_class, gen)
             test_f = _features(extract, cdata.x_test, env.device)
-            protos = {c: released[c] for c in range(len(counts)) if counts[c] > 0}
             try:
                 res = prototype_mia(train_f[mi], cdata.y_train[mi], test_f[ni], cdata.y_test[ni], protos, max_per_class=max_per_class)
             except ValueError:
@@ -456,7 +480,7 @@ def _client_images(view: RunView, size: int) -> Callable[[int], torch.Tensor]:
 
     def images(cid: int) -> torch.Tensor:
         rows = view.data.train_idx[cid]
-        n = len(bundle.train.images)
+        n = len(bundle.train.labels)  # a pooled partition's indices run over train, then test
         pick = [bundle.test.images[int(i) - n] if pooled and int(i) >= n else bundle.train.images[int(i)] for i in rows]
         return torch.stack([torch.as_tensor(p[0] if isinstance(p, (tuple, list)) else p) for p in pick]).float()
 

@@ -66,6 +66,25 @@ def test_mia_metrics_agree_with_scikit_learn(ties):
         assert x == pytest.approx(r, abs=1e-9), name
 
 
+def test_a_class_released_as_several_centres_scores_each_sample_by_its_best_centre():
+    from raysim.attacks.prototype_mia import membership_scores
+    from raysim.audit import released_prototypes
+
+    feats = torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]])
+    labels = torch.tensor([0, 0, 1])
+    protos = {0: torch.tensor([[1.0, 0.0], [0.0, 1.0]]), 1: torch.tensor([0.0, 1.0])}  # class 0: two centres
+    s = membership_scores(feats, labels, protos)
+    assert s.tolist() == pytest.approx([1.0, 1.0, 2**-0.5])  # each class-0 sample matches one centre exactly
+    assert membership_scores(feats, labels, protos, metric="l2").tolist() == pytest.approx([0.0, -1.0, -1.0])
+    # FedPLVM's upload: centres with their labels -> per class its centres, counted by how many it has
+    up = {"centres": torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0]]), "centre_labels": torch.tensor([0, 0, 2])}
+    by_class, counts = released_prototypes(up, torch.tensor([0, 2]), 3)
+    assert sorted(by_class) == [0, 2] and by_class[0].shape == (2, 2) and counts.tolist() == [2.0, 0.0, 1.0]
+    up = {"protos": torch.ones(3, 2), "counts": torch.tensor([4.0, 0.0, 1.0])}
+    by_class, counts = released_prototypes(up, torch.tensor([0]), 3)
+    assert sorted(by_class) == [0, 2] and counts.tolist() == [4.0, 0.0, 1.0]
+
+
 def test_fsh_metrics_and_classes_by_hand():
     clean = torch.tensor([1.0, 0.0])
     feats = torch.tensor([[2.0, 0.0], [1.0, 1.0], [0.0, 3.0]])  # cosines 1, 1/sqrt(2), 0
@@ -278,7 +297,7 @@ def tiny_vit(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("method,privacy", [("vpdr_fedproto", "vpdr"), ("vpdr_mpft", "igpp")])
+@pytest.mark.parametrize("method,privacy", [("vpdr_fedproto", "vpdr"), ("vpdr_mpft", "igpp"), ("vpdr_fedplvm", "igpp")])
 def test_audit_of_a_vpdr_run_writes_the_ledger_and_the_attacks(tmp_path, cache_dir, tiny_vit, method, privacy):
     from raysim.config import build_config
 
