@@ -38,13 +38,22 @@ class MIAResult:
 
 
 def membership_scores(features: Tensor, labels: Tensor, prototypes: dict[int, Tensor], metric: str = "cosine") -> Tensor:
-    """Score of each (feature, label) pair against the released prototype of its class."""
-    protos = torch.stack([prototypes[int(c)] for c in labels.tolist()]).to(features.dtype)
-    if metric == "cosine":
-        return F.cosine_similarity(features, protos, dim=-1)
-    if metric == "l2":
-        return -(features - protos).norm(dim=-1)
-    raise ValueError(f"metric must be cosine or l2, got {metric!r}")
+    """Score of each (feature, label) pair against the released prototype of its class: a (d,) tensor,
+    or (k, d) for a class released as k prototypes (FedPLVM's local cluster centres), where a sample
+    scores its best match (the largest cosine, the smallest distance)."""
+    if metric not in ("cosine", "l2"):
+        raise ValueError(f"metric must be cosine or l2, got {metric!r}")
+    out = torch.empty(len(labels), dtype=features.dtype)
+    for c in torch.unique(labels).tolist():
+        rows = labels == c
+        p = prototypes[int(c)].to(features.dtype).reshape(-1, features.shape[-1])  # (k, d)
+        f = features[rows]
+        if metric == "cosine":
+            s = F.normalize(f, dim=-1) @ F.normalize(p, dim=-1).t()
+        else:
+            s = -torch.cdist(f, p)
+        out[rows] = s.max(dim=-1).values
+    return out
 
 
 def roc_metrics(member: np.ndarray, nonmember: np.ndarray) -> tuple[float, float, float, float, float]:

@@ -123,10 +123,10 @@ def make_head(feature_dim: int, num_classes: int, hidden: tuple[int, ...], dropo
     return nn.Sequential(*layers)
 
 
-@torch.no_grad()
-def backbone_path_features(model: Any, x: Tensor) -> Tensor:
+def backbone_path(model: Any, x: Tensor) -> Tensor:
     """The code's backbone path: the last block's output before its adapter (every earlier adapter on),
-    then the final LayerNorm, the token mean and the frozen projection."""
+    then the final LayerNorm, the token mean and the frozen projection (differentiable w.r.t. x: the
+    audit's feature-space hijacking optimises images through it)."""
     adapters = nn.ModuleList(list(model.adapters)[:-1] + [nn.Identity()])
     model.backbone.adapters = adapters
     try:
@@ -134,6 +134,9 @@ def backbone_path_features(model: Any, x: Tensor) -> Tensor:
     finally:
         model.backbone.adapters = None
     return model.proj(t)
+
+
+backbone_path_features = torch.no_grad()(backbone_path)  # what a client releases the class means of
 
 
 @dataclass
@@ -191,6 +194,10 @@ class VPDRMPFT(VPDRMethod):
         model.eval()
         return torch.cat([backbone_path_features(model, data.x_train[i : i + 256].to(env.device)).float().cpu()
                           for i in range(0, data.num_train, 256)])
+
+    def release_feature_fn(self, model):
+        """The released features as a differentiable function of the images (raysim.audit's FSH)."""
+        return lambda x: backbone_path(model, x)
 
     def aggregate(self, env, shared, uploads, rng):
         protos, counts = stack_uploads(uploads)

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from raysim.config import RunConfig
+from raysim.config import RunConfig, keeps_all_client_states
 from raysim.data.federation import FederationData
 from raysim.errors import ClientFailure, RaysimError, UploadViolation
 from raysim.methods import ClientData, EnvSpec, Method, Upload, get_method
@@ -110,7 +110,7 @@ class ClientHost:
         from raysim.evaluation import PROTOCOLS
 
         self.protocol = PROTOCOLS.get(cfg.eval.protocol)(data, batch_size=cfg.eval.batch_size)
-        self.store = StateStore(out_dir)
+        self.store = StateStore(out_dir, keep_all_clients=keeps_all_client_states(cfg.output))
         self.private: dict[int, dict[str, Any]] = {}
         self.dirty: set[int] = set()
         self.participation = self._participation_counts()

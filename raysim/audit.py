@@ -17,22 +17,30 @@ method and writes RUN_DIR/audit.md plus CSVs:
   other methods (the FedSEPT family: prompt uploads), fedsept.txt section 5.5 / SPEC 1.12:
     update MIA     the update-only and update-and-query logistic attackers (raysim.attacks.update_mia):
                    mean AUC over rounds, final-round AUC, HM (audit_update_mia.csv)
+    GIA            gradient inversion of the uploaded prompt tensor (raysim.attacks.gradient_inversion),
+                   for the prompt methods that declare loss_parts (PromptFL, FedSEPT, DP-FPL): CLIPCos,
+                   GradCos, PSNR, zero-shot Top-1 agreement, and CLIPCos of random images (the no-leak
+                   level), under a bounded budget (GIABudget: 4 images, 100 iterations, 1 restart, the
+                   first 2 clients of the last round; --gia-* flags) (audit_gia.csv)
 
 Threat model of the prototype attacks (SPEC 3.7): a white-box server that knows each client's model. The
-model behind a round-r release is the client's checkpoint of round r (the prototype methods release after
-their local training). The store keeps each client's last two checkpoints, so the attacks cover the
-recorded rounds whose releasing models are still on disk (`rounds="available"`, the default: the last
-two rounds under full participation), or only the last recorded round (`rounds="last"`).
+model behind a round-r release is the client's checkpoint of round r for a method that releases after
+its local training (FedProto, FedTGP), or the state it entered round r with for one that declares
+`release_first` (the VPDR frameworks: release, aggregate, then train). A run that records its uploads keeps every round's client state
+(output.keep_client_states=auto), so every recorded round is attacked (`rounds="available"`, the
+default; `rounds="last"`: only the last). With keep_client_states=last only the last two rounds' models
+are on disk, and the other rounds are listed as not attacked.
 
-Averaging (the paper's table): a client's metrics are the mean over its attacked classes (FSH) or its
-macro-average over classes (MIA); per round the mean over clients; the reported mean is the mean over
-rounds and the +- is the standard deviation over clients (of the clients' values averaged over rounds).
+Averaging (vpdr.txt E.6.2, SPEC 3.7): a client's metrics are the mean over its attacked classes (FSH) or
+its macro-average over classes (MIA); per round the mean over clients; the reported value is the mean
+over rounds ± the standard deviation over rounds. The GIA's are averaged the same way.
 
 For a folder of runs (a `raysim sweep` experiment, a `raysim compare` output, any folder holding run
 folders) every run is audited (its own audit.md), and FOLDER/audit.md + audit.csv gather one row per run
 in the paper's layout (epsilon, LDP mechanism, metrics, utility). With two or more values of dp.epsilon
-it draws FOLDER/audit_vs_epsilon.png: the attacks' AUC / Cos Sim against epsilon with the utility (HM
-for the update family, In-Client accuracy for the prototype methods) on the same figure.
+it draws FOLDER/audit_vs_epsilon.png: the attacks' AUC / Cos Sim / GIA CLIPCos against epsilon with the
+utility (HM for the update family, In-Client accuracy for the prototype methods) on the same figure.
+Long attacks print progress lines ([k/N], elapsed, estimated time left) to stderr.
 
 A run without uploads/ cannot be audited: the message says to rerun it with output.record_uploads=true
 (exit status 2).
@@ -66,6 +74,27 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+class Progress:
+    """Progress lines on stderr for a long attack: "label [k/N] what (elapsed, ~left)"."""
+
+    def __init__(self, label: str, total: int, *, enabled: bool = True) -> None:
+        import time
+
+        self.label, self.total, self.enabled, self.done, self.t0 = label, total, enabled, 0, time.perf_counter()
+        if enabled and total:
+            _say(f"{label}: {total} to do")
+
+    def step(self, what: str) -> None:
+        import time
+
+        self.done += 1
+        if not self.enabled:
+            return
+        spent = time.perf_counter() - self.t0
+        left = spent / self.done * (self.total - self.done)
+        _say(f"{self.label} [{self.done}/{self.total}] {what} ({spent:.0f}s, ~{left:.0f}s left)")
+
+
 def record_hint(run_dir: Path) -> str:
     return (f"{run_dir} has no recorded uploads (uploads/): the attacks need what the server saw. Record them by "
             f"rerunning with output.record_uploads=true (raysim run ... output.record_uploads=true), or continue this run "
@@ -83,6 +112,7 @@ class RunView:
     method: Any
     _data: Any = None
     _env: Any = None
+    _rounds_of: Optional[dict[int, list[int]]] = None
 
     @classmethod
     def open(cls, run_dir: str | Path) -> "RunView":
@@ -128,21 +158,36 @@ class RunView:
         path = self.store.root / "clients" / str(cid) / f"{round_idx:05d}.pt"
         return load_checked(path) if path.is_file() else None
 
-    def release_state(self, cid: int, round_idx: int) -> Optional[dict]:
-        """The client state behind its round-`round_idx` upload (None when not on disk): the checkpoint of
-        that round (the method uploads after its local training), or for a `release_first` method (the
-        VPDR frameworks, SPEC 3.4: release, then train) the state it entered the round with: its checkpoint
-        of its previous participation, or before its first its initial state."""
-        if not getattr(self.method, "release_first", False):
-            return self.client_state(cid, round_idx)
-        from raysim.actors import initial_private
-        from raysim.sampling import participants
+    def participations(self, cid: int) -> list[int]:
+        """The recorded rounds in which the client uploaded."""
+        if self._rounds_of is None:
+            self._rounds_of = {}
+            for r in self.store.upload_rounds():
+                for c in self.store.load_uploads(r)["uploads"]:
+                    self._rounds_of.setdefault(int(c), []).append(r)
+        return self._rounds_of.get(cid, [])
 
-        t = self.cfg.train
-        earlier = [r for r in range(round_idx) if cid in participants(t.seed, r, t.num_clients, t.participation)]
-        if earlier:
-            return self.client_state(cid, earlier[-1])
-        return {"private": initial_private(self.method, self.env, self.data.client(cid), t.seed)}
+    def state_before(self, cid: int, round_idx: int) -> Optional[dict]:
+        """The client's private state as it entered `round_idx`: its checkpoint of the last round it took
+        part in before, or its initial state when it took part in none. None when that checkpoint was
+        pruned (a run kept with output.keep_client_states=last), or when the run was recorded only from a
+        later round on (its earlier participations are unknown)."""
+        before = [r for r in self.participations(cid) if r < round_idx]
+        if before:
+            return self.client_state(cid, before[-1])
+        if self.store.upload_rounds()[:1] != [0]:
+            return None
+        from raysim.actors import initial_private
+
+        return {"private": initial_private(self.method, self.env, self.data.client(cid), self.cfg.train.seed)}
+
+    def releasing_state(self, cid: int, round_idx: int) -> Optional[dict]:
+        """The client state behind its round-`round_idx` release: its checkpoint of that round for a method
+        that releases after its local training (the default), the state it entered the round with for one
+        that declares `release_first` (the VPDR frameworks, SPEC 3.4: release, aggregate, then train)."""
+        if getattr(self.method, "release_first", False):
+            return self.state_before(cid, round_idx)
+        return self.client_state(cid, round_idx)
 
     def latest_client_state(self, cid: int) -> Optional[dict]:
         return self.store.load_client(cid, self.store.completed_round())
@@ -170,13 +215,35 @@ class RunView:
         return f"{names}+DCR" if knob == "dcr" else names
 
 
+PROTOTYPE_UPLOADS = ("protos", "centres")  # one prototype per class (C, d); labelled centres (K, d) + centre_labels
+
+
 def attack_family(method: Any) -> str:
-    """"prototype" for a method that uploads a prototype release `protos` and has a client model with
-    features(x); "update" otherwise (its uploads are trained tensors: the update MIA applies)."""
-    spec = getattr(method, "releases", {}).get("protos")
-    if spec is not None and spec.kind == "prototype" and callable(getattr(method, "model", None)):
-        return "prototype"
+    """"prototype" for a method that uploads a prototype release (`protos`: one per class, or `centres`
+    with their `centre_labels`: FedPLVM's local cluster centres) and has a client model with features(x);
+    "update" otherwise (its uploads are trained tensors: the update MIA applies)."""
+    releases = getattr(method, "releases", {})
+    for key in PROTOTYPE_UPLOADS:
+        spec = releases.get(key)
+        if spec is not None and spec.kind == "prototype" and callable(getattr(method, "model", None)):
+            return "prototype"
     return "update"
+
+
+def released_prototypes(upload: dict[str, torch.Tensor], labels: torch.Tensor, num_classes: int
+                        ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """(class -> its released prototype(s): (d,) or (k, d) for k centres, and per-class counts the FSH
+    picks its classes by). `protos` uploads: the classes with a positive public count (without one, the
+    client's class counts from `labels`, its training labels: white box); `centres`: each class's
+    centres, counted by how many it has."""
+    if "protos" in upload:
+        protos = upload["protos"].float()
+        counts = upload.get("counts")
+        counts = torch.bincount(labels, minlength=num_classes).float() if counts is None else counts.float()
+        return {c: protos[c] for c in range(len(protos)) if counts[c] > 0}, counts
+    centres, labels = upload["centres"].float(), upload["centre_labels"].long()
+    return ({int(c): centres[labels == c] for c in torch.unique(labels).tolist()},
+            torch.bincount(labels, minlength=num_classes).float())
 
 
 # -- the ledger -------------------------------------------------------------------------------------
@@ -283,66 +350,235 @@ def prototype_attacks(view: RunView, *, rounds: str = "available", fsh: Optional
     todo = recorded[-1:] if rounds == "last" else recorded
     out = PrototypeAudit()
     method, env, data = view.method, view.env, view.data
-    for r in todo:
-        record = store.load_uploads(r)
-        attacked = [c for c in sorted(record["uploads"]) if clients is None or c in clients]
-        done_any = False
-        for cid in attacked:
-            saved = view.release_state(cid, r)
-            if saved is None:
-                out.skipped.append(f"round {r}, client {cid}: the model behind its round-{r} release is no longer on disk")
-                continue
-            done_any = True
-            upload = record["uploads"][cid]
-            cdata = data.client(cid)
-            model = method.model(env, saved["private"]).eval()
-            for p in model.parameters():
-                p.requires_grad_(False)
-            extract, classify = extractor_of(method, model), classifier_of(model)
-            released = upload["protos"].float()
-            counts = upload.get("counts", torch.bincount(cdata.y_train, minlength=cdata.num_classes)).float()
-            train_f = _features(extract, cdata.x_train, env.device)
-            line = f"audit {view.run_dir.name}: round {r} client {cid}"
-            if mia:
-                gen = torch.Generator().manual_seed(seed * 1_000_003 + r * 1009 + cid)
-                mi, ni = _subsample(cdata.y_train, max_per_class, gen), _subsample(cdata.y_test, max_per_class, gen)
-                test_f = _features(extract, cdata.x_test, env.device)
-                protos = {c: released[c] for c in range(len(counts)) if counts[c] > 0}
-                try:
-                    res = prototype_mia(train_f[mi], cdata.y_train[mi], test_f[ni], cdata.y_test[ni], protos, max_per_class=max_per_class)
-                except ValueError:
-                    out.skipped.append(f"round {r}, client {cid}: MIA: no class with a prototype, members and non-members")
-                else:
-                    out.mia.append({"round": r, "client": cid, **res.as_dict(), "members": len(mi), "nonmembers": len(ni)})
-                    line += f": MIA AUC {res.auc:.3f}"
-            if fsh is not None:
-                with torch.enable_grad():
-                    per_class = attack_client(
-                        _on(extract, env.device), _on(classify, env.device), released.to(env.device), counts, train_f,
-                        cdata.y_train, shape=tuple(cdata.x_train.shape[1:]), cfg=fsh, seed=seed * 1_000_003 + r * 1009 + cid)
-                for c, m in per_class.items():
-                    out.fsh.append({"round": r, "client": cid, "class": c, **m.as_dict()})
-                if per_class:
-                    line += (f"; FSH {len(per_class)} classes: Cos Sim {np.mean([m.cos_sim for m in per_class.values()]):.3f}, "
-                             f"Top-1 Hit {np.mean([m.top1_hit for m in per_class.values()]):.0f}%")
-            if progress:
-                _say(line)
-        if done_any:
+    jobs = [(r, cid) for r in todo for cid in sorted(store.load_uploads(r)["uploads"]) if clients is None or cid in clients]
+    bar = Progress(f"audit {view.run_dir.name}: prototype attacks", len(jobs), enabled=progress)
+    record, at = None, -1
+    for r, cid in jobs:
+        if at != r:
+            record, at = store.load_uploads(r), r
+        assert record is not None
+        saved = view.releasing_state(cid, r)
+        if saved is None:
+            out.skipped.append(f"round {r}, client {cid}: the model behind its round-{r} release is no longer on disk "
+                               "(the run kept only its last client states: rerun with output.keep_client_states=all)")
+            bar.step(f"round {r} client {cid}: skipped (model not on disk)")
+            continue
+        upload = record["uploads"][cid]
+        cdata = data.client(cid)
+        model = method.model(env, saved["private"]).eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        extract, classify = extractor_of(method, model), classifier_of(model)
+        protos, counts = released_prototypes(upload, cdata.y_train, cdata.num_classes)
+        # the FSH target of a class: its prototype, or the first of its released centres
+        released = torch.zeros(cdata.num_classes, next(iter(protos.values())).shape[-1]) if protos else torch.zeros(0)
+        for c, p in protos.items():
+            released[c] = p.reshape(-1, p.shape[-1])[0]
+        train_f = _features(extract, cdata.x_train, env.device)
+        line = f"round {r} client {cid}"
+        if mia:
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + r * 1009 + cid)
+            mi, ni = _subsample(cdata.y_train, max_per_class, gen), _subsample(cdata.y_test, max_per_class, gen)
+            test_f = _features(extract, cdata.x_test, env.device)
+            try:
+                res = prototype_mia(train_f[mi], cdata.y_train[mi], test_f[ni], cdata.y_test[ni], protos, max_per_class=max_per_class)
+            except ValueError:
+                out.skipped.append(f"round {r}, client {cid}: MIA: no class with a prototype, members and non-members")
+            else:
+                out.mia.append({"round": r, "client": cid, **res.as_dict(), "members": len(mi), "nonmembers": len(ni)})
+                line += f": MIA AUC {res.auc:.3f}"
+        if fsh is not None:
+            with torch.enable_grad():
+                per_class = attack_client(
+                    _on(extract, env.device), _on(classify, env.device), released.to(env.device), counts, train_f,
+                    cdata.y_train, shape=tuple(cdata.x_train.shape[1:]), cfg=fsh, seed=seed * 1_000_003 + r * 1009 + cid)
+            for c, m in per_class.items():
+                out.fsh.append({"round": r, "client": cid, "class": c, **m.as_dict()})
+            if per_class:
+                line += (f"; FSH {len(per_class)} classes: Cos Sim {np.mean([m.cos_sim for m in per_class.values()]):.3f}, "
+                         f"Top-1 Hit {np.mean([m.top1_hit for m in per_class.values()]):.0f}%")
+        bar.step(line)
+        if r not in out.rounds:
             out.rounds.append(r)
     return out
 
 
 def clients_then_rounds(rows: list[dict[str, Any]], columns: Sequence[str]) -> dict[str, tuple[float, float]]:
-    """column -> (mean over rounds of the mean over clients, std over clients of their round-averaged value).
-    Rows are per (round, client[, class]); several rows of one (round, client) are averaged first."""
+    """column -> (mean over rounds of the mean over clients, std over rounds of those per-round means): the
+    paper's mean ± std (vpdr.txt E.6.2, SPEC 3.7: average over clients, then over rounds). Rows are per
+    (round, client[, class]); several rows of one (round, client) are averaged first. One round: std 0."""
     if not rows:
         return {c: (math.nan, math.nan) for c in columns}
     import pandas as pd
 
     df = pd.DataFrame(rows).groupby(["round", "client"], as_index=False)[list(columns)].mean()
-    mean = df.groupby("round")[list(columns)].mean().mean()
-    std = df.groupby("client")[list(columns)].mean().std(ddof=0)
+    per_round = df.groupby("round")[list(columns)].mean()
+    mean, std = per_round.mean(), per_round.std(ddof=0)
     return {c: (float(mean[c]), float(std[c])) for c in columns}
+
+
+def per_round_means(rows: list[dict[str, Any]], columns: Sequence[str]) -> Any:
+    """DataFrame: one row per round, each column the mean over clients (of their per-class means)."""
+    import pandas as pd
+
+    if not rows:
+        return pd.DataFrame(columns=["round", *columns])
+    df = pd.DataFrame(rows).groupby(["round", "client"], as_index=False)[list(columns)].mean()
+    return df.groupby("round", as_index=False)[list(columns)].mean()
+
+
+# -- gradient inversion of prompt uploads ---------------------------------------------------------
+
+GIA_COLUMNS = ("CLIPCos", "GradCos", "PSNR", "Top-1")
+GIA_REFERENCE = ("rand CLIPCos", "rand Top-1")  # random images (the inversion's start): the no-leak level
+GIA_ROUNDS = ("last", "all")
+
+
+@dataclass(frozen=True)
+class GIABudget:
+    """How much gradient inversion an audit runs (fedsept.txt 5.5, SPEC 1.12: 2,000 iterations x 4
+    restarts per client). The default is small so that an audit of the offline benchmark takes about a
+    minute on a CPU: `images` dummies per client, `iterations` Adam steps, `restarts`, the first `clients`
+    uploading clients (0 = all) of the last recorded round (`rounds="all"`: every recorded round)."""
+
+    images: int = 4
+    iterations: int = 100
+    restarts: int = 1
+    clients: int = 2
+    rounds: str = "last"
+    lr: float = 0.1
+    tv_weight: float = 1e-4
+
+    def __post_init__(self) -> None:
+        if self.images < 1 or self.iterations < 1 or self.restarts < 1 or self.clients < 0 or not self.lr > 0 or self.tv_weight < 0:
+            raise ConfigError("gia: images >= 1, iterations >= 1, restarts >= 1, clients >= 0 (0 = all), lr > 0, tv_weight >= 0")
+        if self.rounds not in GIA_ROUNDS:
+            raise ConfigError(f"gia rounds must be one of {', '.join(GIA_ROUNDS)}, got {self.rounds!r}")
+
+
+DEFAULT_GIA = GIABudget()
+
+
+def gia_applies(view: RunView) -> bool:
+    """Gradient inversion attacks a CLIP prompt method that declares its loss split (`loss_parts`:
+    PromptFL, FedSEPT, DP-FPL) and uploads that shared tensor."""
+    from raysim.methods.common import ClipPromptMethod
+
+    m = view.method
+    return isinstance(m, ClipPromptMethod) and type(m).loss_parts is not ClipPromptMethod.loss_parts
+
+
+def _client_images(view: RunView, size: int) -> Callable[[int], torch.Tensor]:
+    """cid -> the client's training images (normalised, at the CLIP input size), in its train order."""
+    from raysim.data import DATASETS, LoadSpec
+    from raysim.data.partition import is_pooled
+
+    cfg = view.cfg
+    bundle = DATASETS.get(cfg.data.dataset)(LoadSpec(data_root=cfg.data.data_root, image_size=size, download=False,
+                                                     seed=cfg.train.seed, cache_dir=cfg.output.cache_dir))
+    pooled = is_pooled(cfg.data.partition)
+
+    def images(cid: int) -> torch.Tensor:
+        rows = view.data.train_idx[cid]
+        n = len(bundle.train.labels)  # a pooled partition's indices run over train, then test
+        pick = [bundle.test.images[int(i) - n] if pooled and int(i) >= n else bundle.train.images[int(i)] for i in rows]
+        return torch.stack([torch.as_tensor(p[0] if isinstance(p, (tuple, list)) else p) for p in pick]).float()
+
+    return images
+
+
+def dummy_labels(labels: torch.Tensor, k: int) -> torch.Tensor:
+    """The labels the server gives its k dummies: the client's classes by how many samples it holds
+    (most first, ties lower id first), cycled when it holds fewer than k classes. Labels are known to
+    the attacker in the SPEC 1.12 setting (the batch's label counts leak from the update)."""
+    counts = torch.bincount(labels)
+    order = sorted((c for c in range(len(counts)) if counts[c] > 0), key=lambda c: (-int(counts[c]), c))
+    return torch.tensor([order[i % len(order)] for i in range(k)], dtype=torch.long)
+
+
+@dataclass
+class GIAAudit:
+    rows: list[dict[str, Any]] = field(default_factory=list)  # one per round and client
+    skipped: list[str] = field(default_factory=list)
+    rounds: list[int] = field(default_factory=list)
+
+
+def gia_attacks(view: RunView, *, budget: GIABudget = DEFAULT_GIA, clients: Optional[Sequence[int]] = None, seed: int = 0,
+                progress: bool = True) -> GIAAudit:
+    """Invert each attacked client's recorded update of the shared prompt tensor (raysim.attacks.gradient_inversion).
+
+    The server's view: theta_pre (the round's broadcast), theta_post (the upload), the client's lr and
+    weight decay, the labels, and (white box, the upper bound) the client's private state as it entered
+    the round (FedSEPT's R and router; its checkpoint of its previous round, or its initial state).
+    g^ = -(theta_post - theta_pre) / lr is the summed update of the client's local steps: exact for one
+    plain SGD step on one batch (benchmarks/gia_fedsept.py), the direction of the average gradient over
+    its data for several small steps; gradient matching by cosine needs only the direction. The dummies'
+    gradient is the mean over a batch of `budget.images` images with the labels of `dummy_labels`;
+    each reconstruction is scored against the client's closest training image (reconstruction_metrics)."""
+    from raysim.attacks.gradient_inversion import (
+        TextJacobianCache,
+        invert_gradient,
+        observed_gradient,
+        pixel_range,
+        prompt_shared_grad,
+        reconstruction_metrics,
+    )
+    from raysim.models.clip import ModelSpec, image_size_of, load_clip
+
+    out = GIAAudit()
+    store, cfg, method, env = view.store, view.cfg, view.method, view.env
+    recorded = store.upload_rounds()
+    todo = recorded[-1:] if budget.rounds == "last" else recorded
+    jobs: list[tuple[int, int]] = []
+    for r in todo:
+        ids = [c for c in sorted(store.load_uploads(r)["uploads"]) if clients is None or c in clients]
+        jobs += [(r, c) for c in (ids[:budget.clients] if budget.clients else ids)]
+    if not jobs:
+        return out
+    clip = load_clip(ModelSpec(cfg.model.name, cfg.model.pretrained, cache_dir=cfg.output.cache_dir), device=env.device)
+    size = image_size_of(clip)
+    images_of = _client_images(view, size)
+    low, high = pixel_range()
+    cache = TextJacobianCache()
+    bar = Progress(f"audit {view.run_dir.name}: gradient inversion ({budget.images} images, {budget.iterations} iterations x "
+                   f"{budget.restarts} restarts per client)", len(jobs), enabled=progress)
+    record, at = None, -1
+    import time
+
+    for r, cid in jobs:
+        if at != r:
+            record, at = store.load_uploads(r), r
+        assert record is not None
+        saved = view.state_before(cid, r)
+        if saved is None:
+            out.skipped.append(f"round {r}, client {cid}: its state entering round {r} is no longer on disk "
+                               "(rerun with output.keep_client_states=all)")
+            bar.step(f"round {r} client {cid}: skipped (state not on disk)")
+            continue
+        t0 = time.perf_counter()
+        grad = prompt_shared_grad(method, env, clip, record["pre"], saved["private"], cache=cache)
+        name = grad.name
+        post = record["uploads"][cid][name].to(env.device)
+        g_hat = observed_gradient(record["pre"][name].to(env.device), post, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        target = grad.target(g_hat)
+        cdata = view.data.client(cid)
+        labels = dummy_labels(cdata.y_train, budget.images)
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + r * 1009 + cid)
+        with torch.enable_grad():
+            inv = invert_gradient(grad.fn, target, labels, image_size=size, iterations=budget.iterations, restarts=budget.restarts,
+                                  lr=budget.lr, tv_weight=budget.tv_weight, generator=gen)
+        originals = images_of(cid).to(env.device)
+        got = reconstruction_metrics(inv.images, originals, clip=clip, env=env, grad_cos=inv.grad_cos).as_dict()
+        noise = torch.randn((budget.images, 3, size, size), generator=gen).to(env.device)
+        noise = torch.max(torch.min(noise, high.to(env.device)), low.to(env.device))
+        ref = reconstruction_metrics(noise, originals, clip=clip, env=env).as_dict()
+        out.rows.append({"round": r, "client": cid, **got, "rand CLIPCos": ref["CLIPCos"], "rand Top-1": ref["Top-1"],
+                         "rand PSNR": ref["PSNR"], "seconds": time.perf_counter() - t0})
+        if r not in out.rounds:
+            out.rounds.append(r)
+        bar.step(f"round {r} client {cid}: CLIPCos {got['CLIPCos']:.3f} (random images {ref['CLIPCos']:.3f}), "
+                 f"GradCos {got['GradCos']:.3f}")
+    return out
 
 
 # -- one run ----------------------------------------------------------------------------------------
@@ -359,6 +595,7 @@ class AuditResult:
     summary: dict[str, tuple[float, float]] = field(default_factory=dict)  # metric -> (mean, std)
     prototype: Optional[PrototypeAudit] = None
     update: Any = None  # DataFrame of the update MIA
+    gia: Optional[GIAAudit] = None
 
     def row(self) -> dict[str, Any]:
         """One row of the paper layout (flat: metric and metric_std)."""
@@ -405,11 +642,28 @@ def update_table(results: list[AuditResult]) -> str:
 
     body = []
     for r in results:
+        m, s = r.summary.get("CLIPCos", (math.nan, math.nan)), r.summary.get("rand CLIPCos", (math.nan, 0))
+        gia = [_pm(*m, ".4f"), "-" if math.isnan(s[0]) else f"{s[0]:.4f}"]
         for attack in ("update-only", "update-and-query"):
             m, s = r.summary.get(f"{attack} mean_auc", (math.nan, math.nan)), r.summary.get(f"{attack} final_auc", (math.nan, 0))
             body.append([_eps(r.epsilon), r.ldp, r.method, attack, "-" if math.isnan(m[0]) else f"{m[0]:.4f}",
-                         "-" if math.isnan(s[0]) else f"{s[0]:.4f}", _pct(r.utility.get("hm", math.nan))])
-    return markdown_table(["ε", "LDP", "method", "attacker", "mean AUC", "final AUC", "HM"], body, align="llll" + "rrr")
+                         "-" if math.isnan(s[0]) else f"{s[0]:.4f}", *gia, _pct(r.utility.get("hm", math.nan))])
+    return markdown_table(["ε", "LDP", "method", "attacker", "mean AUC", "final AUC", "GIA CLIPCos", "rand CLIPCos", "HM"], body,
+                          align="llll" + "rrrrr")
+
+
+def gia_table(res: AuditResult) -> str:
+    """Per round: the GIA metrics' mean over the attacked clients, then the mean ± std over rounds."""
+    from raysim.metrics import markdown_table
+
+    assert res.gia is not None
+    cols = [*GIA_COLUMNS, *GIA_REFERENCE]
+    fmt = {"CLIPCos": ".4f", "GradCos": ".4f", "PSNR": ".2f", "Top-1": ".2f", "rand CLIPCos": ".4f", "rand Top-1": ".2f"}
+    body = []
+    for _, row in per_round_means(res.gia.rows, cols).iterrows():
+        body.append([str(int(row["round"])), *(f"{row[c]:{fmt[c]}}" for c in cols)])
+    body.append(["mean ± std", *(_pm(*res.summary.get(c, (math.nan, math.nan)), fmt[c]) for c in cols)])
+    return markdown_table(["round", *cols], body, align="l" + "r" * len(cols))
 
 
 def _pct(v: float) -> str:
@@ -418,7 +672,7 @@ def _pct(v: float) -> str:
 
 def audit_run(run_dir: str | Path, *, rounds: str = "available", fsh: Optional[FSHConfig] = DEFAULT_FSH, mia: bool = True,
               max_per_class: int = 800, clients: Optional[Sequence[int]] = None, seed: int = 0, nonmembers: str = "other_clients",
-              progress: bool = True, write: bool = True) -> AuditResult:
+              gia: Optional[GIABudget] = DEFAULT_GIA, progress: bool = True, write: bool = True) -> AuditResult:
     """Audit one run folder (see the module docstring); writes RUN_DIR/audit.md and its CSVs when `write`."""
     view = RunView.open(run_dir)
     if not view.store.upload_rounds():
@@ -427,13 +681,14 @@ def audit_run(run_dir: str | Path, *, rounds: str = "available", fsh: Optional[F
     torch.set_num_threads(max(1, int(view.cfg.execution.num_threads)))  # as the run's hosts (oversubscribed small ops crawl)
     try:
         return _audit_run(view, rounds=rounds, fsh=fsh, mia=mia, max_per_class=max_per_class, clients=clients, seed=seed,
-                          nonmembers=nonmembers, progress=progress, write=write)
+                          nonmembers=nonmembers, gia=gia, progress=progress, write=write)
     finally:
         torch.set_num_threads(threads)
 
 
 def _audit_run(view: RunView, *, rounds: str, fsh: Optional[FSHConfig], mia: bool, max_per_class: int,
-               clients: Optional[Sequence[int]], seed: int, nonmembers: str, progress: bool, write: bool) -> AuditResult:
+               clients: Optional[Sequence[int]], seed: int, nonmembers: str, gia: Optional[GIABudget], progress: bool,
+               write: bool) -> AuditResult:
     res = AuditResult(view.run_dir, view.family, float(view.cfg.dp.epsilon), view.ldp(), view.cfg.method, view.utility(),
                       ledger_rows(view))
     if view.family == "prototype":
@@ -451,6 +706,9 @@ def _audit_run(view: RunView, *, rounds: str, fsh: Optional[FSHConfig], mia: boo
         for _, row in df.iterrows():
             res.summary[f"{row['attack']} mean_auc"] = (float(row["mean_auc"]), 0.0)
             res.summary[f"{row['attack']} final_auc"] = (float(row["final_auc"]), 0.0)
+        if gia is not None and gia_applies(view):
+            res.gia = gia_attacks(view, budget=gia, clients=clients, seed=seed, progress=progress)
+            res.summary.update(clients_then_rounds(res.gia.rows, GIA_COLUMNS + GIA_REFERENCE))
     if write:
         write_run(res)
     return res
@@ -466,7 +724,7 @@ def run_markdown(res: AuditResult) -> str:
         assert pa is not None
         lines += ["## Attacks (white-box server: each client's model of the round of its release)", "",
                   f"rounds attacked: {', '.join(map(str, pa.rounds)) or 'none'}; metrics: mean over clients, then over rounds; "
-                  "± = std over clients", "", prototype_table([res])]
+                  "± = std over rounds (of the per-round means over clients)", "", prototype_table([res])]
         if pa.fsh:
             cs, hit = res.summary["start Cos Sim"][0], res.summary["start Top-1 Hit (%)"][0]
             lines += ["", f"no-leak reference (the attack's random starting dummies, same metrics): Cos Sim {cs:.4f}, "
@@ -478,6 +736,15 @@ def run_markdown(res: AuditResult) -> str:
         from raysim.attacks.update_mia import markdown
 
         lines += ["## Update MIA (logistic attackers on what the server saw)", "", update_table([res]), "", markdown(res.update)]
+        if res.gia is not None:
+            lines += ["", "## Gradient inversion of the uploaded prompt (fedsept.txt 5.5, SPEC 1.12)", "",
+                      f"rounds attacked: {', '.join(map(str, res.gia.rounds)) or 'none'}; "
+                      f"{len(res.gia.rows)} (round, client) inversions; per round the mean over clients, ± = std over rounds. "
+                      "CLIPCos: cosine of the CLIP image embeddings of each reconstruction and the client's closest training "
+                      "image; `rand`: the same for random images (the inversion's start), the no-leak level.", "",
+                      gia_table(res)]
+            if res.gia.skipped:
+                lines += ["", "not attacked:", "", *[f"- {s}" for s in res.gia.skipped[:20]]]
     return "\n".join(lines) + "\n"
 
 
@@ -494,6 +761,8 @@ def write_run(res: AuditResult) -> None:
         pd.DataFrame(res.prototype.mia).to_csv(d / "audit_mia.csv", index=False)
     if res.update is not None:
         res.update.to_csv(d / "audit_update_mia.csv", index=False)
+    if res.gia is not None:
+        pd.DataFrame(res.gia.rows).to_csv(d / "audit_gia.csv", index=False)
 
 
 # -- a folder of runs -------------------------------------------------------------------------------
@@ -545,9 +814,50 @@ def audit_folder(folder: str | Path, **kw: Any) -> list[AuditResult]:
     return results
 
 
+ATTACK_LINES = {"prototype": (("auc", "MIA ROC-AUC"), ("Cos Sim", "FSH Cos Sim")),
+                "update": (("update-only mean_auc", "update-only AUC"), ("update-and-query mean_auc", "update-and-query AUC"),
+                           ("CLIPCos", "GIA CLIPCos"))}
+UTILITY_LINE = {"prototype": ("in_client", "In-Client acc"), "update": ("hm", "HM")}
+
+
+@dataclass
+class Series:
+    family: str
+    label: str  # "MIA ROC-AUC (fedproto IGPP)"
+    kind: str  # "attack" (left axis) or "utility" (right axis)
+    group: int  # the (method, LDP) line's colour index
+    epsilons: list[float]  # inf = no DP
+    values: list[float]
+
+
+def epsilon_series(results: list[AuditResult]) -> list[Series]:
+    """The lines of audit_vs_epsilon.png: per family and (method, LDP mechanism), each attack metric the
+    runs have and the utility, against epsilon. A method's no-DP run joins each of its DP lines."""
+    out: list[Series] = []
+    for fam in sorted({r.family for r in results}):
+        runs = [r for r in results if r.family == fam]
+        groups: dict[str, list[AuditResult]] = {}
+        for r in runs:
+            groups.setdefault(r.method if r.ldp == "NoLDP" else f"{r.method} {r.ldp}", []).append(r)
+        nodp = [r for r in runs if math.isinf(r.epsilon)]
+        dp_methods = {r.method for r in runs if math.isfinite(r.epsilon)}
+        groups = {k: v for k, v in groups.items() if any(math.isfinite(r.epsilon) for r in v) or v[0].method not in dp_methods}
+        for gi, (name, rs) in enumerate(sorted(groups.items())):
+            rs = sorted(rs + [n for n in nodp if n.method == rs[0].method and n not in rs], key=lambda r: r.epsilon)
+            eps = [r.epsilon for r in rs]
+            for key, label in ATTACK_LINES[fam]:
+                ys = [r.summary.get(key, (math.nan, 0))[0] for r in rs]
+                if not all(math.isnan(y) for y in ys):
+                    out.append(Series(fam, f"{label} ({name})", "attack", gi, eps, ys))
+            key, label = UTILITY_LINE[fam]
+            out.append(Series(fam, f"{label} ({name})", "utility", gi, eps, [r.utility.get(key, math.nan) for r in rs]))
+    return out
+
+
 def plot_vs_epsilon(results: list[AuditResult], path: Path) -> Optional[Path]:
-    """Attack metrics (left axis) and utility (right axis) against epsilon, one line per (method, LDP
-    mechanism); no DP is drawn at the right end. None when the runs have fewer than two epsilons."""
+    """Attack metrics (left axis: MIA AUC, FSH Cos Sim, GIA CLIPCos) and utility (right axis, dashed)
+    against epsilon, one colour per (method, LDP mechanism); no DP is drawn at the right end. None when
+    the runs have fewer than two epsilons."""
     eps = sorted({r.epsilon for r in results})
     if len(eps) < 2:
         return None
@@ -558,36 +868,27 @@ def plot_vs_epsilon(results: list[AuditResult], path: Path) -> Optional[Path]:
 
     finite = [e for e in eps if math.isfinite(e)]
     inf_x = (max(finite) * 1.5 if finite else 1.0) if math.inf in eps else None
-    families = sorted({r.family for r in results})
+    series = epsilon_series(results)
+    families = sorted({s.family for s in series})
     fig, axes = plt.subplots(1, len(families), figsize=(6.5 * len(families), 4.2), squeeze=False)
     for ax, fam in zip(axes[0], families):
-        runs = [r for r in results if r.family == fam]
-        metrics = [("auc", "MIA ROC-AUC"), ("Cos Sim", "FSH Cos Sim")] if fam == "prototype" else \
-            [("update-only mean_auc", "update-only AUC"), ("update-and-query mean_auc", "update-and-query AUC")]
-        util_key, util_name = ("in_client", "In-Client acc") if fam == "prototype" else ("hm", "HM")
         right = ax.twinx()
-        groups: dict[str, list[AuditResult]] = {}
-        for r in runs:
-            key = r.method if r.ldp == "NoLDP" else f"{r.method} {r.ldp}"
-            groups.setdefault(key, []).append(r)
-        nodp = [r for r in runs if math.isinf(r.epsilon)]
-        dp_methods = {r.method for r in runs if math.isfinite(r.epsilon)}
-        groups = {k: v for k, v in groups.items() if any(math.isfinite(r.epsilon) for r in v) or v[0].method not in dp_methods}
-        for gi, (name, rs) in enumerate(sorted(groups.items())):  # no-DP runs join each DP line of their method
-            rs = sorted(rs + [n for n in nodp if n.method == rs[0].method and n not in rs], key=lambda r: r.epsilon)
-            xs = [inf_x if math.isinf(r.epsilon) else r.epsilon for r in rs]
-            for mi, (k, label) in enumerate(metrics):
-                ys = [r.summary.get(k, (math.nan, 0))[0] for r in rs]
-                ax.plot(xs, ys, marker="os^"[mi % 3], linestyle="-", color=f"C{gi}", label=f"{label} ({name})")
-            ys = [r.utility.get(util_key, math.nan) for r in rs]
-            right.plot(xs, ys, marker="x", linestyle="--", color=f"C{gi}", alpha=0.6, label=f"{util_name} ({name})")
+        marks: dict[str, str] = {}
+        for line in (s for s in series if s.family == fam):
+            xs = [inf_x if math.isinf(e) else e for e in line.epsilons]
+            if line.kind == "utility":
+                right.plot(xs, line.values, marker="x", linestyle="--", color=f"C{line.group}", alpha=0.6, label=line.label)
+            else:
+                metric = line.label.split(" (")[0]
+                mark = marks.setdefault(metric, "os^dv"[len(marks) % 5])
+                ax.plot(xs, line.values, marker=mark, linestyle="-", color=f"C{line.group}", label=line.label)
         ax.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
         ticks = finite + ([inf_x] if inf_x is not None else [])
         ax.set_xticks(ticks, [f"{e:g}" for e in finite] + (["no DP"] if inf_x is not None else []))
         ax.set_xlabel("ε (local DP budget)")
-        ax.set_ylabel("attack (AUC, Cos Sim)")
-        right.set_ylabel(f"utility ({util_name}, dashed)")
-        ax.set_title("prototype attacks (FSH, MIA)" if fam == "prototype" else "update MIA")
+        ax.set_ylabel("attack (AUC, Cos Sim)" if fam == "prototype" else "attack (AUC, GIA CLIPCos)")
+        right.set_ylabel(f"utility ({UTILITY_LINE[fam][1]}, dashed)")
+        ax.set_title("prototype attacks (FSH, MIA)" if fam == "prototype" else "update MIA, gradient inversion")
         h1, l1 = ax.get_legend_handles_labels()
         h2, l2 = right.get_legend_handles_labels()
         ax.legend(h1 + h2, l1 + l2, fontsize=6, loc="best")
@@ -617,6 +918,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--fsh-objective", choices=("mse", "cos"), default="mse")
     ap.add_argument("--max-per-class", type=int, default=800, help="MIA: members and non-members per class (SPEC: 800)")
     ap.add_argument("--nonmembers", choices=("other_clients", "own_test"), default="other_clients", help="update MIA non-members")
+    ap.add_argument("--no-gia", action="store_true", help="skip the gradient inversion of prompt uploads")
+    ap.add_argument("--gia-images", type=int, default=GIABudget.images, help="GIA: dummy images per client (default 4)")
+    ap.add_argument("--gia-iterations", type=int, default=GIABudget.iterations,
+                    help="GIA: Adam steps per restart (default 100; SPEC 1.12: 2000)")
+    ap.add_argument("--gia-restarts", type=int, default=GIABudget.restarts, help="GIA: restarts, best kept (default 1; SPEC: 4)")
+    ap.add_argument("--gia-clients", type=int, default=GIABudget.clients,
+                    help="GIA: the first N uploading clients of each attacked round (default 2; 0 = all)")
+    ap.add_argument("--gia-rounds", choices=GIA_ROUNDS, default=GIABudget.rounds, help="GIA: the last recorded round (default) or all")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -624,8 +933,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         fsh = None if args.no_fsh else FSHConfig(max_steps=args.fsh_steps, patience=args.fsh_patience, classes=args.fsh_classes,
                                                  objective=args.fsh_objective, min_steps=min(FSHConfig.min_steps, args.fsh_steps))
+        gia = None if args.no_gia else GIABudget(images=args.gia_images, iterations=args.gia_iterations, restarts=args.gia_restarts,
+                                                 clients=args.gia_clients, rounds=args.gia_rounds)
         kw = dict(rounds=args.rounds, fsh=fsh, mia=not args.no_mia, max_per_class=args.max_per_class, clients=args.clients,
-                  seed=args.seed, nonmembers=args.nonmembers, progress=not args.quiet)
+                  seed=args.seed, nonmembers=args.nonmembers, gia=gia, progress=not args.quiet)
         if (path / "config.yaml").is_file():
             res = audit_run(path, **kw)
             sys.stdout.write(run_markdown(res))

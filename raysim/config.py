@@ -134,6 +134,17 @@ class OutputConfig:
     tensorboard: bool = field(default=True, metadata=RESUMABLE)
     progress: bool = field(default=True, metadata=RESUMABLE)
     record_uploads: bool = field(default=False, metadata=RESUMABLE)  # what the server saw, for the attacks
+    # clients' checkpoints kept under state/clients/: "last" (the two a resume can need), "all" (every round's:
+    # an audit attacks each recorded round with the model that made its release), "auto" = all with record_uploads
+    keep_client_states: str = field(default="auto", metadata=RESUMABLE)
+
+
+KEEP_CLIENT_STATES = ("auto", "last", "all")
+
+
+def keeps_all_client_states(output: OutputConfig) -> bool:
+    """Whether every round's client checkpoint stays on disk (output.keep_client_states, auto: with record_uploads)."""
+    return output.keep_client_states == "all" or (output.keep_client_states == "auto" and bool(output.record_uploads))
 
 
 SECTIONS: dict[str, type] = {
@@ -405,6 +416,9 @@ def validate(cfg: RunConfig) -> None:
            "execution.compile=true cannot run with DP-SGD (dp.epsilon finite, dp.level=sample): a compiled text tower's "
            "backward does not batch over DP-SGD's per-example cotangents, so every example would need its own backward "
            "(slower than not compiling); set execution.compile=false under DP, or dp.level=client")
+    _check(cfg.output.keep_client_states in KEEP_CLIENT_STATES,
+           f"output.keep_client_states must be one of {', '.join(KEEP_CLIENT_STATES)} (auto = all when output.record_uploads "
+           f"is on, else last), got {cfg.output.keep_client_states!r}")
     opts = cfg.method_options()
     check = getattr(opts, "validate", None)
     if callable(check):

@@ -17,7 +17,8 @@ Safety: every checkpoint is written with its SHA-256 next to it (`<round>.pt.sha
 `torch.load(weights_only=True)`: tensors, numbers, strings and containers only, so a run folder from
 elsewhere cannot run code when it is resumed or audited. On resume, `StateStore.resumable_round` reads
 every piece of the last completed round; a truncated or corrupted one is named, and the run falls back
-to the round before when all of its pieces are intact (the store keeps the last two rounds).
+to the round before when all of its pieces are intact (the store keeps at least the last two rounds;
+every round's client states with output.keep_client_states=all, or auto with record_uploads).
 
 Single writer: `RunLock` holds `out_dir/run.lock` (an flock on a file naming the pid and host) for the
 whole run, so a second run or a resume of the same folder stops with a message naming the holder. The
@@ -130,8 +131,14 @@ def _unlink_version(folder: Path, v: int) -> None:
 
 
 class StateStore:
-    def __init__(self, out_dir: str | Path) -> None:
+    """`keep_all_clients`: keep every round's client checkpoint (output.keep_client_states=all, or auto with
+    record_uploads) instead of only those a resume can need; the audit then has the model behind each
+    recorded release. The server's state is pruned either way (the uploads record holds each round's
+    broadcast state)."""
+
+    def __init__(self, out_dir: str | Path, *, keep_all_clients: bool = False) -> None:
         self.root = Path(out_dir) / "state"
+        self.keep_all_clients = keep_all_clients
 
     # -- progress ---------------------------------------------------------------------------
     def completed_round(self) -> int:
@@ -165,8 +172,15 @@ class StateStore:
     def load_client(self, client_id: int, upto_round: int) -> Optional[dict]:
         return self._load_latest(self.root / "clients" / str(client_id), upto_round)
 
+    def client_rounds(self, client_id: int) -> list[int]:
+        """The rounds whose end-of-round state of the client is on disk."""
+        return _versions(self.root / "clients" / str(client_id))
+
     def prune_client(self, client_id: int, completed_round: int) -> None:
-        """Drop versions that a resume from `completed_round` (or later) can never need."""
+        """Drop versions that a resume from `completed_round` (or later) can never need (none when the
+        store keeps every round's client state)."""
+        if self.keep_all_clients:
+            return
         folder = self.root / "clients" / str(client_id)
         usable = [v for v in _versions(folder) if v <= completed_round]
         if usable:

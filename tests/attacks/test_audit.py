@@ -13,7 +13,7 @@ from conftest import tiny_config
 
 from raysim.attacks.fsh import FSHConfig, attacked_classes, frechet_distance, fsh_metrics, hijack
 from raysim.attacks.prototype_mia import roc_metrics
-from raysim.audit import audit_folder, audit_run, clients_then_rounds, main
+from raysim.audit import GIABudget, RunView, audit_folder, audit_run, clients_then_rounds, main, per_round_means
 from raysim.engine import run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,6 +66,25 @@ def test_mia_metrics_agree_with_scikit_learn(ties):
         assert x == pytest.approx(r, abs=1e-9), name
 
 
+def test_a_class_released_as_several_centres_scores_each_sample_by_its_best_centre():
+    from raysim.attacks.prototype_mia import membership_scores
+    from raysim.audit import released_prototypes
+
+    feats = torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]])
+    labels = torch.tensor([0, 0, 1])
+    protos = {0: torch.tensor([[1.0, 0.0], [0.0, 1.0]]), 1: torch.tensor([0.0, 1.0])}  # class 0: two centres
+    s = membership_scores(feats, labels, protos)
+    assert s.tolist() == pytest.approx([1.0, 1.0, 2**-0.5])  # each class-0 sample matches one centre exactly
+    assert membership_scores(feats, labels, protos, metric="l2").tolist() == pytest.approx([0.0, -1.0, -1.0])
+    # FedPLVM's upload: centres with their labels -> per class its centres, counted by how many it has
+    up = {"centres": torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0]]), "centre_labels": torch.tensor([0, 0, 2])}
+    by_class, counts = released_prototypes(up, torch.tensor([0, 2]), 3)
+    assert sorted(by_class) == [0, 2] and by_class[0].shape == (2, 2) and counts.tolist() == [2.0, 0.0, 1.0]
+    up = {"protos": torch.ones(3, 2), "counts": torch.tensor([4.0, 0.0, 1.0])}
+    by_class, counts = released_prototypes(up, torch.tensor([0]), 3)
+    assert sorted(by_class) == [0, 2] and counts.tolist() == [4.0, 0.0, 1.0]
+
+
 def test_fsh_metrics_and_classes_by_hand():
     clean = torch.tensor([1.0, 0.0])
     feats = torch.tensor([[2.0, 0.0], [1.0, 1.0], [0.0, 3.0]])  # cosines 1, 1/sqrt(2), 0
@@ -86,7 +105,9 @@ def test_clients_then_rounds_by_hand():
     ]
     mean, std = clients_then_rounds(rows, ["x"])["x"]
     assert mean == pytest.approx(((0.3 + 0.5) / 2 + (0.7 + 0.9) / 2) / 2)
-    assert std == pytest.approx(np.std([(0.3 + 0.7) / 2, (0.5 + 0.9) / 2]))  # over clients of their round means
+    assert std == pytest.approx(0.2)  # over rounds of the per-round client means 0.4 and 0.8 (vpdr.txt E.6.2's mean ± std)
+    means = per_round_means(rows, ["x"])
+    assert list(means["round"]) == [0, 1] and list(means["x"]) == pytest.approx([0.4, 0.8])
 
 
 def test_hijack_recovers_a_target_feature_and_stops_early():
@@ -186,11 +207,18 @@ def test_audit_of_a_folder_of_runs_tabulates_and_plots_against_epsilon(proto_run
     assert (root / "nodp" / "run" / "audit.md").is_file()
 
 
-def test_audit_of_a_prompt_run_runs_the_update_mia(tmp_path, cache_dir):
+def test_audit_of_a_prompt_run_runs_the_update_mia_and_gradient_inversion(tmp_path, cache_dir):
     out = run(tiny_config(tmp_path / "pfl", cache_dir, record_uploads=True, rounds=2, n_ctx=4, dp={"epsilon": 1.0})).out_dir
-    res = audit_run(out, progress=False)
+    budget = GIABudget(images=2, iterations=3, clients=1, rounds="all")  # a tiny budget: the wiring, not the attack's strength
+    res = audit_run(out, progress=False, gia=budget)
     assert res.family == "update" and res.ldp == "DPSGD"
     text = (out / "audit.md").read_text()
+    # GIA on the recorded ctx uploads: one inversion per attacked (round, client), each scored against the client's images
+    assert res.gia is not None and [(r["round"], r["client"]) for r in res.gia.rows] == [(0, 0), (1, 0)]
+    assert all(-1 <= r["CLIPCos"] <= 1 and -1 <= r["GradCos"] <= 1 and 0 <= r["Top-1"] <= 1 for r in res.gia.rows)
+    assert res.summary["CLIPCos"][0] == pytest.approx(np.mean([r["CLIPCos"] for r in res.gia.rows]))  # one client per round
+    assert "## Gradient inversion of the uploaded prompt" in text and "| mean ± std |" in text and "GIA CLIPCos" in text
+    assert (out / "audit_gia.csv").is_file()
     assert "| client | mechanism | sigma | q | steps | rounds | epsilon spent / target |" in text and "| 0 | dpsgd |" in text
     assert "update-only" in text and "update-and-query" in text
     dpsgd = [r for r in res.ledger if r["mechanism"] == "dpsgd"]
@@ -198,6 +226,102 @@ def test_audit_of_a_prompt_run_runs_the_update_mia(tmp_path, cache_dir):
     assert all(r["epsilon_spent"] <= 1.0 * (1 + 1e-6) for r in dpsgd)
     assert 0 <= res.summary["update-only mean_auc"][0] <= 1
     assert (out / "audit_update_mia.csv").is_file()
+
+
+def _short_proto(folder: Path, cache_dir: str, **output):
+    cfg = tiny_config(folder, cache_dir, method="fedproto", rounds=3, eval_every=3,
+                      data={"dataset": "digits", "shots": 4, "partition": "dirichlet", "beta": 0.5},
+                      train={"num_clients": 2, "batch_size": 32, "lr": 0.05}, fedproto={"model_family": "tiny"},
+                      output={"record_uploads": True, **output})
+    return run(cfg).out_dir
+
+
+def test_recorded_runs_keep_every_rounds_client_state_so_the_audit_sees_every_round(tmp_path, cache_dir):
+    from raysim.config import build_config
+    from raysim.errors import ConfigError
+    from raysim.store import StateStore
+
+    every = _short_proto(tmp_path / "auto", cache_dir)  # keep_client_states=auto: all, since uploads are recorded
+    assert StateStore(every).client_rounds(0) == [0, 1, 2] and StateStore(every).client_rounds(1) == [0, 1, 2]
+    res = audit_run(every, fsh=None, max_per_class=10, progress=False, write=False)
+    assert res.prototype is not None and res.prototype.rounds == [0, 1, 2] and not res.prototype.skipped
+    assert sorted({(r["round"], r["client"]) for r in res.prototype.mia}) == [(r, c) for r in range(3) for c in range(2)]
+    per_round = per_round_means(res.prototype.mia, ["auc"])["auc"]
+    assert res.summary["auc"] == pytest.approx((float(per_round.mean()), float(per_round.std(ddof=0))))
+
+    last = _short_proto(tmp_path / "last", cache_dir, keep_client_states="last")  # only what a resume needs
+    assert StateStore(last).client_rounds(0) == [1, 2]
+    res = audit_run(last, fsh=None, max_per_class=10, progress=False, write=False)
+    assert res.prototype is not None and res.prototype.rounds == [1, 2]
+    assert len(res.prototype.skipped) == 2 and "output.keep_client_states=all" in res.prototype.skipped[0]
+
+    # a method that releases before it trains (a two-phase round) is attacked with the state it entered the round with
+    view = RunView.open(every)
+    view.method.release_first = True  # type: ignore[misc]
+    entered = view.releasing_state(1, 2)
+    assert entered is not None
+    after_1 = view.client_state(1, 1)
+    assert after_1 is not None
+    assert all(torch.equal(a, b) for a, b in zip(entered["private"]["model"].values(), after_1["private"]["model"].values()))
+    first = view.releasing_state(1, 0)  # round 0: the client's initial state, rebuilt from its seeded stream
+    assert first is not None and set(first["private"]) == set(view.client_state(1, 0)["private"])
+
+    with pytest.raises(ConfigError, match="output.keep_client_states must be one of auto, last, all"):
+        build_config({"output": {"keep_client_states": "some"}})
+
+
+def test_the_epsilon_plot_has_gia_clipcos_next_to_the_update_mia_and_utility(tmp_path):
+    from raysim.audit import AuditResult, epsilon_series, plot_vs_epsilon
+
+    def result(eps, ldp, auc, clip, hm):
+        return AuditResult(tmp_path, "update", eps, ldp, "fedsept", {"hm": hm}, [],
+                           summary={"update-and-query mean_auc": (auc, 0.0), "CLIPCos": (clip, 0.01)})
+
+    results = [result(1.0, "DPSGD", 0.55, 0.1, 0.5), result(2.0, "DPSGD", 0.6, 0.2, 0.52), result(math.inf, "NoLDP", 0.9, 0.6, 0.55)]
+    lines = {s.label: s for s in epsilon_series(results)}
+    assert set(lines) == {"update-and-query AUC (fedsept DPSGD)", "GIA CLIPCos (fedsept DPSGD)", "HM (fedsept DPSGD)"}
+    gia = lines["GIA CLIPCos (fedsept DPSGD)"]
+    assert gia.kind == "attack" and gia.epsilons == [1.0, 2.0, math.inf] and gia.values == [0.1, 0.2, 0.6]  # no DP joins the line
+    assert lines["HM (fedsept DPSGD)"].kind == "utility"
+    png = plot_vs_epsilon(results, tmp_path / "p.png")
+    assert png is not None and png.stat().st_size > 1000
+
+
+@pytest.fixture(scope="module")
+def tiny_vit(tmp_path_factory) -> str:
+    """A tiny random HF ViT folder (as tests/methods/test_vpdr_base.py): fast."""
+    from raysim.models.vit_adapter import random_hf_vit
+
+    path = tmp_path_factory.mktemp("vit") / "tiny"
+    random_hf_vit(width=32, layers=2, patch_size=8, heads=2, seed=0).vit.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("method,privacy", [("vpdr_fedproto", "vpdr"), ("vpdr_mpft", "igpp"), ("vpdr_fedplvm", "igpp")])
+def test_audit_of_a_vpdr_run_writes_the_ledger_and_the_attacks(tmp_path, cache_dir, tiny_vit, method, privacy):
+    from raysim.config import build_config
+
+    cfg = build_config({
+        "method": method, "data": {"dataset": "digits4", "partition": "domain", "shots": 4},
+        "train": {"num_clients": 4, "rounds": 2, "batch_size": 32, "local_epochs": 1},  # partition=domain: one per domain
+        "eval": {"every": 2, "last": 1, "protocol": "vpdr"}, "execution": {"backend": "inline"},
+        "output": {"progress": False, "tensorboard": False, "cache_dir": cache_dir, "out_dir": str(tmp_path / method),
+                   "record_uploads": True},
+        "dp": {"epsilon": 1.0}, method: {"privacy": privacy, "backbone": tiny_vit},
+    })
+    out = run(cfg).out_dir
+    res = audit_run(out, fsh=FSHConfig(max_steps=3, patience=3, min_steps=1, classes=1), max_per_class=10, progress=False,
+                    clients=[0, 1])
+    assert res.family == "prototype" and res.ldp == ("VPDR" if privacy == "vpdr" else "IGPP")
+    text = (out / "audit.md").read_text()
+    assert "| client | mechanism | sigma | q | steps | rounds | epsilon spent / target |" in text
+    mech = "vpp" if privacy == "vpdr" else "igpp"
+    assert any(r["mechanism"] == mech and r["rounds"] == 2 for r in res.ledger)
+    assert all(r["epsilon_spent"] <= 1.0 * (1 + 1e-6) for r in res.ledger)
+    pa = res.prototype
+    assert pa is not None and pa.rounds == [0, 1] and len(pa.mia) == 4 and len(pa.fsh) == 4  # rounds x clients (x 1 class)
+    assert all(0 <= r["auc"] <= 1 for r in pa.mia) and all(-1 <= r["Cos Sim"] <= 1 for r in pa.fsh)
+    assert f"| {method} |" in text and "ROC-AUC" in text
 
 
 def test_a_run_without_recorded_uploads_says_how_to_record_one(tmp_path, cache_dir, capsys):
@@ -232,6 +356,20 @@ def test_the_audit_study_specs_validate_offline():
 
     spec, _ = spec_from_args([str(ROOT / "benchmarks" / "tables" / "vpdr_attacks.yaml")])
     runs = plan(spec, Path("/nonexistent/out"))  # builds and checks every config; runs and writes nothing
+    cfgs = {entry.label: cfg for _, entry, _, cfg in runs}
+    assert set(cfgs) == {"NoLDP", *(f"{m}-eps{e}" for m in ("IGPP", "VPP", "VPDR") for e in (1, 2))}
+    assert all(c.method == "vpdr_fedproto" and c.output.record_uploads and c.data.dataset == "digits4" for c in cfgs.values())
+    from raysim.actors import make_method
+    from raysim.audit import attack_family
+
+    for label, c in cfgs.items():
+        m = make_method(c)
+        assert attack_family(m) == "prototype"  # the audit runs FSH and the prototype MIA on it
+        want = {"NoLDP": "none", "IGPP": "igpp", "VPP": "vpp", "VPDR": "vpdr"}[label.split("-")[0]]
+        assert m.opts.privacy == want and (math.isinf(c.dp.epsilon) if want == "none" else c.dp.epsilon == float(label[-1]))
+
+    spec, _ = spec_from_args([str(ROOT / "benchmarks" / "tables" / "vpdr_attacks_zoo.yaml")])
+    runs = plan(spec, Path("/nonexistent/out"))
     cfgs = {entry.label: cfg for _, entry, _, cfg in runs}
     assert set(cfgs) == {"NoLDP", "IGPP-eps1", "VPP-eps1", "IGPP-eps2", "VPP-eps2"}
     assert all(c.output.record_uploads and c.data.dataset == "digits" for c in cfgs.values())

@@ -230,7 +230,7 @@ def test_the_audit_attacks_each_release_with_the_model_that_made_it(tmp_path, ca
         record = store.load_uploads(r)
         for c in range(4):
             data = view.data.client(c)
-            means = _class_means(view.method, view.env, view.release_state(c, r)["private"], data)
+            means = _class_means(view.method, view.env, view.releasing_state(c, r)["private"], data)
             # 1e-5: the same float32 forward pass, in the same batches, as the client's release
             torch.testing.assert_close(record["uploads"][c]["protos"], means, atol=1e-5, rtol=1e-5)
             after = _class_means(view.method, view.env, view.client_state(c, r)["private"], data)
