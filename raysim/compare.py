@@ -513,14 +513,24 @@ def bar_chart(table: Table, columns: list[int], path: Path, title: str) -> Path:
 
 def describe(records: list[RunRecord], spec: CompareSpec) -> str:
     """One line of what the table was measured on, from the first run's config."""
-    cfg = records[0].config()
-    eps = "no DP" if not cfg.dp.enabled else f"dp.epsilon={cfg.dp.epsilon:g}"
+    configs = [r.config() for r in records]
+    cfg = configs[0]
+    levels = sorted({c.dp.epsilon if c.dp.enabled else math.inf for c in configs})
+    eps = ("no DP" if not cfg.dp.enabled else f"dp.epsilon={cfg.dp.epsilon:g}") if len(levels) == 1 else \
+        "dp.epsilon per row: " + " / ".join("no DP" if math.isinf(e) else f"{e:g}" for e in levels)
     varied = [k for k in spec.grid]
     skew = f" beta={cfg.data.beta:g}" if cfg.data.partition in ("dirichlet", "pfllib", "dirichlet_shared_test") else ""
     parts = [cfg.data.dataset, cfg.data.partition + ("" if "data.beta" in varied else skew), f"{cfg.train.num_clients} clients",
-             f"{cfg.train.rounds} rounds", cfg.model.name, f"seed {cfg.train.seed}"]
+             f"{cfg.train.rounds} rounds", _model_name(cfg), f"seed {cfg.train.seed}"]
     parts += [] if "dp.epsilon" in varied else [eps]  # a grid over epsilon labels its own columns
     return ", ".join(parts) + (f" (varied: {', '.join(varied)})" if varied else "")
+
+
+def _model_name(cfg: Any) -> str:
+    """The model a table was measured on: the method's own backbone where it has one (the VPDR frameworks'
+    `backbone`), else the run's CLIP model."""
+    backbone = getattr(cfg.method_options(), "backbone", "")
+    return f"backbone {backbone}" if isinstance(backbone, str) and backbone else cfg.model.name
 
 
 def write_outputs(records: list[RunRecord], spec: CompareSpec, out: Path) -> str:

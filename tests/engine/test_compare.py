@@ -100,3 +100,23 @@ def test_every_shipped_table_spec_builds(tmp_path):
         runs = plan(spec, tmp_path / path.stem)
         assert len(runs) == len(spec.methods) * len(spec.cells())
     assert not any(tmp_path.iterdir())  # planning writes nothing
+
+
+def test_table_caption_names_each_rows_privacy_and_the_methods_backbone(tmp_path):
+    """The caption of a table whose rows differ in dp.epsilon (the VPDR ablation's no-LDP row) lists every
+    level instead of the first row's, and a method with its own backbone is named by it, not model.name."""
+    from raysim.compare import RunRecord, describe
+    from raysim.config import build_config
+
+    recs = []
+    for label, eps in (("no LDP", math.inf), ("IGPP", 1.0)):
+        d = tmp_path / label.replace(" ", "_")
+        d.mkdir()
+        cfg = build_config({"method": "vpdr_fedproto", "data": {"dataset": "digits4", "partition": "domain"},
+                            "train": {"num_clients": 4}, "dp": {"epsilon": eps},
+                            "vpdr_fedproto": {"privacy": "none" if math.isinf(eps) else "igpp"}})
+        (d / "config.yaml").write_text(cfg.to_yaml())
+        recs.append(RunRecord(Entry(label, "vpdr_fedproto"), {}, d, 0.0))
+    line = describe(recs, CompareSpec(methods=[r.entry for r in recs], layout="vpdr"))
+    assert "dp.epsilon per row: 1 / no DP" in line
+    assert "backbone raysim-vit" in line and "raysim-clip" not in line
