@@ -19,13 +19,14 @@ import logging
 import math
 import time
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from raysim.config import RunConfig, keeps_all_client_states
-from raysim.data.federation import FederationData
+from raysim.data.federation import ClientSlices, FederationData
 from raysim.errors import ClientFailure, RaysimError, UploadViolation
 from raysim.methods import ClientData, EnvSpec, Method, Upload, get_method
 from raysim.methods.base import ServerResult
@@ -106,7 +107,7 @@ class ClientHost:
         self.env = self.method.build_env(spec, role="client")
         self.num_classes = len(data.classnames)
         self.clients = sorted(client_ids)
-        self.data: dict[int, ClientData] = {cid: data.client(cid) for cid in self.clients}
+        self.data: Mapping[int, ClientData] = ClientSlices(data, self.clients)  # each client's slice, made on first use
         from raysim.evaluation import PROTOCOLS
 
         self.protocol = PROTOCOLS.get(cfg.eval.protocol)(data, batch_size=cfg.eval.batch_size)

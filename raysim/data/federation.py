@@ -4,6 +4,8 @@ partition, as numpy arrays (zero-copy in Ray's object store), and each client's 
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Optional
 
@@ -46,6 +48,38 @@ class FederationData:
             tokens_train=None if ttr is None else ttr[tr], tokens_test=None if tte is None else tte[te],
         )
 
+
+class ClientSlices(Mapping[int, ClientData]):
+    """The `ClientData` of a host's clients, made on first use and kept for the `keep` most recently used
+    (a slice copies the client's rows, so building all of them up front held every row a second time per
+    host: about 1 GiB at 100,000 clients). Slices are pure functions of the arrays, so a rebuilt one equals
+    the dropped one."""
+
+    def __init__(self, data: FederationData, client_ids: list[int], *, keep: int = 1024) -> None:
+        self._data, self._ids, self._keep = data, sorted(client_ids), keep
+        self._known = set(self._ids)
+        self._cache: OrderedDict[int, ClientData] = OrderedDict()
+
+    def __getitem__(self, cid: int) -> ClientData:
+        if cid not in self._known:
+            raise KeyError(cid)
+        got = self._cache.get(cid)
+        if got is None:
+            got = self._cache[cid] = self._data.client(cid)
+            if len(self._cache) > self._keep:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(cid)
+        return got
+
+    def __contains__(self, cid: object) -> bool:
+        return cid in self._known  # without building the slice
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 def as_tensor(a: np.ndarray) -> torch.Tensor:
