@@ -19,6 +19,7 @@ class PromptFL(ClipPromptMethod):
     name = "promptfl"
     releases = {"ctx": dpsgd()}
     supports_ctx_init = True
+    batched_context = "ctx"  # local_train below is ClipPromptMethod's stackable step: the host may batch clients
 
     def init_shared(self, env, rng):
         return {"ctx": env.prompts.initial_context(rng)}

@@ -79,7 +79,7 @@ def clip_per_sample(grads: list[Tensor], clip: float) -> list[Tensor]:
     b = grads[0].shape[0]
     sq = torch.zeros(b, dtype=torch.float64, device=grads[0].device)
     for g in grads:
-        sq = sq + g.reshape(b, -1).double().pow(2).sum(dim=1)
+        sq = sq + g.flatten(1).double().pow(2).sum(dim=1)  # flatten, not reshape(b, -1): b may be 0 (an empty Poisson batch)
     norms = sq.sqrt()
     factor = (float(clip) / norms.clamp_min(1e-12)).clamp(max=1.0)
     return [g * factor.to(g.dtype).view(b, *([1] * (g.dim() - 1))) for g in grads]
@@ -184,24 +184,36 @@ class DPSGD(_Standalone):
         b = int(per_sample_loss.shape[0])
         if b == 0 and self.expected_batch is None:
             raise ValueError("DP-SGD step on an empty batch")
-        denom = float(self.expected_batch) if self.expected_batch is not None else float(b)
         public_grads = None
         if public_loss is not None and dp_list:
             public_grads = torch.autograd.grad(public_loss, dp_list, retain_graph=True, allow_unused=True)
         if dp_list:
-            grads = per_sample_grads(per_sample_loss, dp_list, microbatch=self.microbatch)
-            grads = clip_per_sample(grads, self.clip)
-            std = self.sigma * self.clip
-            for j, (p, g) in enumerate(zip(dp_list, grads)):
-                total = g.sum(dim=0)
-                if std > 0:
-                    total = total + gaussian_noise_like(total, std, self.generator)
-                total = total / denom
-                if public_grads is not None and public_grads[j] is not None:
-                    total = total + public_grads[j].detach()
-                p.grad = total.detach().to(p.dtype)
+            self.apply_per_example(named, per_sample_grads(per_sample_loss, dp_list, microbatch=self.microbatch), b, public_grads)
         if b > 0:  # the other tensors get the plain gradient of the whole loss, as under NoDP
             _plain_grads(per_sample_loss.mean() if public_loss is None else per_sample_loss.mean() + public_loss, other_params)
+        self.record_step(named)
+
+    def apply_per_example(self, named: dict[str, Tensor], grads: Sequence[Tensor], b: int,
+                          public_grads: Sequence[Tensor | None] | None = None) -> None:
+        """The private part of a step once the per-example gradients of `named` are known (`grads[j]`: (b, *shape)
+        for the j-th tensor): clip jointly, sum, noise from this step's generator, divide, add the public
+        gradients, write `.grad`. `backward` calls it; so does the client-batched path (raysim/batched.py),
+        which gets several clients' per-example gradients from one backward."""
+        if b == 0 and self.expected_batch is None:
+            raise ValueError("DP-SGD step on an empty batch")
+        denom = float(self.expected_batch) if self.expected_batch is not None else float(b)
+        std = self.sigma * self.clip
+        for j, (p, g) in enumerate(zip(named.values(), clip_per_sample(list(grads), self.clip))):
+            total = g.sum(dim=0)
+            if std > 0:
+                total = total + gaussian_noise_like(total, std, self.generator)
+            total = total / denom
+            if public_grads is not None and public_grads[j] is not None:
+                total = total + public_grads[j].detach()
+            p.grad = total.detach().to(p.dtype)
+
+    def record_step(self, named: dict[str, Tensor]) -> None:
+        """Count one DP-SGD step that privatised `named` (what the host checks uploads against)."""
         self.trained.update(named)
         self.names_each_step.append(frozenset(named))
         self.steps += 1
