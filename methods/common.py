@@ -97,7 +97,10 @@ class ClipPromptMethod(Method):
         contexts of the clients that still have batches (A x C prompts), each client's CE on its own batch, and
         one `privacy.backward` (raysim/batched.py StackPrivacy) that gives every client the gradient (or DP-SGD
         step, with its own clipping and noise) of its own loss alone. Clients with fewer batches drop out of
-        the stack when they are done. Equal to `local_train` client by client up to float reassociation."""
+        the stack when they are done. The forward computes each context's prompt prefix once for its C classes
+        (raysim/models/shared_prefix.py). Equal to `local_train` client by client up to float reassociation."""
+        from raysim.models.shared_prefix import stacked_text_features  # the prefix shared by a context's C prompts, once
+
         name = self.batched_context
         ctxs = [shared[name].clone().to(env.device).requires_grad_(True) for _ in jobs]
         opt = sgd(ctxs, self.train)  # SGD is elementwise per tensor (momentum, weight decay): one per client in effect
@@ -107,7 +110,7 @@ class ClipPromptMethod(Method):
         losses: list[list[float]] = [[] for _ in jobs]
         for step in range(max((len(p) for p in plans), default=0)):
             active = [k for k, p in enumerate(plans) if step < len(p)]
-            text = env.prompts.text_features(torch.stack([ctxs[k] for k in active]))  # (A, C, D), one forward
+            text = stacked_text_features(env.prompts, torch.stack([ctxs[k] for k in active]))  # (A, C, D), one forward
             per_client = [F.cross_entropy(self.logits(env, xy[k][0][plans[k][step]], text[a]), xy[k][1][plans[k][step]],
                                           reduction="none") for a, k in enumerate(active)]
             opt.zero_grad(set_to_none=True)  # clients out of the stack keep grad None: SGD skips them

@@ -208,8 +208,9 @@ class DPSGD(_Standalone):
             if std > 0:
                 total = total + gaussian_noise_like(total, std, self.generator)
             total = total / denom
-            if public_grads is not None and public_grads[j] is not None:
-                total = total + public_grads[j].detach()
+            pub = public_grads[j] if public_grads is not None else None
+            if pub is not None:
+                total = total + pub.detach()
             p.grad = total.detach().to(p.dtype)
 
     def record_step(self, named: dict[str, Tensor]) -> None:

@@ -75,7 +75,7 @@ class StackPrivacy:
         assert all(isinstance(s, DPSGD) for s in steppers), "StackPrivacy.supports admits only NoDP or DPSGD stacks"
         sizes = [int(loss.shape[0]) for loss in losses]
         for s, b in zip(steppers, sizes):
-            if b == 0 and s.expected_batch is None:  # type: ignore[union-attr]
+            if b == 0 and s.expected_batch is None:
                 raise ValueError("DP-SGD step on an empty batch")
         flat = [t for named in dp_params for t in named.values()]
         pub_grads: list[Optional[Tensor]] = [None] * len(flat)
@@ -86,19 +86,19 @@ class StackPrivacy:
         rows = max(sizes, default=0)
         if rows:  # row r holds example r of every client: its gradient w.r.t. client a's tensors is that example's
             stacked = torch.stack([F.pad(loss, (0, rows - b)) for loss, b in zip(losses, sizes)], dim=1).sum(dim=1)
-            grads = per_sample_grads(stacked, flat, microbatch=steppers[0].microbatch)  # type: ignore[union-attr]
+            grads = per_sample_grads(stacked, flat, microbatch=steppers[0].microbatch)
         else:
             grads = [torch.zeros((0, *t.shape), dtype=t.dtype, device=t.device) for t in flat]
         j = 0
         for s, named, b in zip(steppers, dp_params, sizes):
             n = len(named)
-            s.apply_per_example(named, [g[:b] for g in grads[j:j + n]], b, pub_grads[j:j + n])  # type: ignore[union-attr]
+            s.apply_per_example(named, [g[:b] for g in grads[j:j + n]], b, pub_grads[j:j + n])
             j += n
         plain = [(loss.mean() + (p if p is not None else 0), o) for loss, p, o, b in zip(losses, public, others, sizes) if b > 0 and o]
         if plain:  # the other tensors get the plain gradient of their client's whole loss, as in DPSGD.backward
             _set_plain(sum(t for t, _ in plain), [t for _, o in plain for t in o])
         for s, named in zip(steppers, dp_params):
-            s.record_step(named)  # type: ignore[union-attr]
+            s.record_step(named)
 
 
 def _set_plain(loss: Any, params: list[Tensor]) -> None:
@@ -151,9 +151,9 @@ def train_stack(host: "ClientHost", round_idx: int, client_ids: Sequence[int],
             return None
         jobs = [ClientJob(host._private(cid), host.data[cid], generator(host.cfg.train.seed, "train", round_idx, cid)) for cid in cids]
         size = max(1, int(host.cfg.execution.stack_size))
+        train = getattr(host.method, "batched_local_train")  # noqa: B009 - what supports_batching() promised
         for i in range(0, len(jobs), size):
-            results += host.method.batched_local_train(host.env, shared, jobs[i:i + size],  # type: ignore[attr-defined]
-                                                       privacy=StackPrivacy(handles[i:i + size]))
+            results += train(host.env, shared, jobs[i:i + size], privacy=StackPrivacy(handles[i:i + size]))
     except Exception as e:  # noqa: BLE001 - the client-by-client path replays the round and applies the policy
         log.debug("round %d: the client stack raised", round_idx, exc_info=True)
         back_out(f"a client in the stack raised ({type(e).__name__}: {e})")

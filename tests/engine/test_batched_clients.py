@@ -226,3 +226,22 @@ def test_engine_batched_equals_client_by_client_inline_and_on_ray(tmp_path, cach
             assert up[r].keys() == ref_up[r].keys()
             for c in up[r]:
                 torch.testing.assert_close(up[r][c]["ctx"], ref_up[r][c]["ctx"], rtol=0, atol=ATOL)
+
+
+def test_shared_prefix_features_equal_the_full_forward():
+    """stacked_text_features (prefix once per context, EOT rows only in the last layer) against
+    CoOpPrompts.text_features: features and context gradients, classes whose prompts end at different
+    positions ("guinea pig" is two tokens), to float reassociation."""
+    from raysim.models.clip import ModelSpec, build_clip_env
+    from raysim.models.shared_prefix import shares_prefix, stacked_text_features
+
+    env = build_clip_env(ModelSpec("raysim-tiny", ""), ["zero", "one", "guinea pig", "fire truck"], n_ctx=3)
+    assert shares_prefix(env.prompts) and len(set(env.prompts.meta.tolist())) == 2
+    ctx = torch.randn(5, 3, env.ctx_width, generator=torch.Generator().manual_seed(0)) * 0.5
+    a, b = ctx.clone().requires_grad_(True), ctx.clone().requires_grad_(True)
+    full, shared = env.prompts.text_features(a), stacked_text_features(env.prompts, b)
+    torch.testing.assert_close(shared, full, rtol=0, atol=ATOL)
+    weights = torch.randn(full.shape, generator=torch.Generator().manual_seed(1))
+    (full * weights).sum().backward()
+    (shared * weights).sum().backward()
+    torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=ATOL)
