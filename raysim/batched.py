@@ -9,13 +9,17 @@ is the privacy handle of a stack: one backward gives every client the gradient o
 or under DP-SGD every client's per-example gradients (the clients' examples side by side, one vmapped
 backward), clipped and noised client by client by the client's own `DPSGD` (privacy/dpsgd.py).
 
-Results equal the client-by-client path up to float reassociation (a matmul over A x C rows is not
-summed in the same order as A matmuls over C rows; tests allow 1e-5), and are bitwise reproducible for
-a fixed setting. `ClientHost.train` calls `train_stack` when execution.batch_clients is on; it returns
-None, and the host trains client by client, when the round cannot be stacked (fewer than two clients, a
-client_timeout, a step kind it does not batch) or when anything in the stack raised: a failing client
-cannot be told apart from the others inside one forward, so the whole round is replayed client by client
-from the same state (nothing was charged or stored), which applies on_client_error exactly as always.
+Results equal the client-by-client path up to float reassociation (the stacked forward computes the
+shared prompt prefix once, in matmuls of other shapes; tests allow 1e-5), and are bitwise reproducible for
+a fixed setting. A host with one client of the round trains a stack of one, so that where the kernels
+compute each row independently of the others (CPU BLAS, observed: the engine's results.csv is identical
+for any num_actors, tested) a client's result does not depend on which clients share its host.
+
+`ClientHost.train` calls `train_stack` when execution.batch_clients is on; it returns None, and the host
+trains client by client, when the round cannot be stacked (a client_timeout, a step kind it does not
+batch) or when anything in the stack raised: a failing client cannot be told apart from the others
+inside one forward, so the whole round is replayed client by client from the same state (nothing was
+charged or stored), which applies on_client_error exactly as always.
 """
 
 from __future__ import annotations
@@ -132,7 +136,7 @@ def train_stack(host: "ClientHost", round_idx: int, client_ids: Sequence[int],
     from raysim.methods.base import Upload
 
     cids = sorted(client_ids)
-    if len(cids) < 2 or not batchable(host):
+    if not cids or not batchable(host):  # a stack of one too: a client's result must not depend on its host's others
         return None
     snaps = {cid: host.privacy.snapshot(cid) for cid in cids}
 
