@@ -17,9 +17,10 @@ Metrics of one attack (class c), as the paper's table (SPEC 3.7 [decide]):
              features (higher: the reconstructions look less like the class)
   Top-1 Hit  % of the dummies the client's own classifier labels c
 
-In a run (raysim.audit) the model is the client's checkpoint of the round of the release: the prototype
-methods release after their local training, so the client's state saved at the end of round r is the
-extractor behind its round-r release. Pure functions of tensors, a model and a seeded generator here.
+In a run (raysim.audit) the model is the one behind the release: most prototype methods release after
+their local training, so the client's state saved at the end of round r is the extractor behind its
+round-r release; the VPDR frameworks release first (SPEC 3.4), so theirs is the state the client entered
+round r with (`RunView.release_state`). Pure functions of tensors, a model and a seeded generator here.
 """
 
 from __future__ import annotations

@@ -15,6 +15,12 @@ The engine owns orchestration, sampling, DP accounting, evaluation and I/O. A me
 The engine refuses anything undeclared, and under DP anything not privatised by its declared release.
 `needs()` declares what the method needs from the engine (input kind and size, image tokens, class
 names on the server); it is checked at config time.
+
+A round is one `local_train` per participant, then one `aggregate` of their uploads. A method whose
+clients must upload *before* they train on the round's aggregate (VPDR's prototype frameworks, SPEC 3.4)
+sets `release_first = True`: per round each participant's `local_release` makes the upload from its
+current state, the server aggregates those, and only then does each participant's `local_train` run on
+the fresh broadcast, uploading nothing. Each half gets its own rng stream ("release" / "train").
 """
 
 from __future__ import annotations
@@ -166,6 +172,7 @@ class Method:
     server_only: ClassVar[tuple[str, ...]] = ()  # keys (or "prefix" for prefix.*) kept on the server, never broadcast
     client_metrics: ClassVar[tuple[str, ...]] = ("loss",)  # what local_train reports (results.csv train_* columns)
     server_metrics: ClassVar[tuple[str, ...]] = ()  # what aggregate reports in a ServerResult (server_* columns)
+    release_first: ClassVar[bool] = False  # True: local_release uploads, the server aggregates, then local_train (uploads nothing)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -214,6 +221,20 @@ class Method:
         privacy: PrivacyHandle,
     ) -> LocalResult:
         raise NotImplementedError
+
+    def local_release(
+        self,
+        env: Any,
+        shared: dict[str, Tensor],
+        private: dict[str, Any],
+        data: ClientData,
+        *,
+        rng: torch.Generator,
+        privacy: PrivacyHandle,
+    ) -> LocalResult:
+        """A `release_first` method's upload for this round, made from the client's current state before
+        it trains (its `upload` is what the server aggregates; `local_train` then returns an empty one)."""
+        raise NotImplementedError(f"{self.name} does not release first (release_first is False)")
 
     def predictor(self, env: Any, shared: dict[str, Tensor], private: dict[str, Any], data: Optional[ClientData] = None) -> Predictor:
         """A function from inputs to logits over all classes, with whatever can be cached prepared.

@@ -26,16 +26,13 @@ the head for CE, accuracy-in-training and the framework's losses ("feat"); an EM
 gives KD KL(softmax(t(z)/tau) || softmax(head(z_hat)/tau)) tau^2 with weight 0.05, skipped for the first 5
 steps of the client's lifetime (the counter is never reset across rounds). Testing uses head(z), no clip.
 
-Round order. SPEC 3.4 per round t: (a) clients release noisy prototypes of their current model (in round 1,
-of untrained adapters), (b) the server aggregates, (c) broadcasts, (d) clients train with them, (e) test.
-The engine's round is one local_train call and one aggregation, so here a client's local_train is
-(d) with the prototypes aggregated from the previous call's release, then (a) of the next round; (e) is
-the engine's evaluation after aggregation. Every training round after the first uses exactly the
-prototypes VPDR would (the server's aggregate of releases from the model as it was before that training);
-the first training round has no global prototypes yet (the frameworks' prototype terms are off), where
-VPDR has those of the untrained adapters, and the last release is made after the last training, where
-VPDR's first is made before any. Each client makes T releases over T rounds either way, so the privacy
-accounting is the paper's.
+Round order (SPEC 3.4), the engine's two-phase round (`release_first`, raysim/backends.py). Per round t:
+(a) every participating client's `local_release` uploads the `release` hook's noisy prototypes of its
+current model (in round 1 the untrained adapters; eval mode, un-soft-clipped features), each through the
+host's release into the client's ledger; (b) the server aggregates them; (c) broadcasts; (d) each of those
+clients' `local_train` runs E epochs with these fresh global prototypes and uploads nothing; (e) every
+client is tested (the engine's evaluation). So round 1 already trains with the untrained adapters'
+prototypes, and a client makes T releases over T participations: the accounting is the paper's.
 
 Hooks a framework overrides (H7's methods/vpdr_frameworks.py wires FPL, FedPLVM, FedPCL, FedTGP, MPFT here):
 
@@ -55,13 +52,15 @@ Hooks a framework overrides (H7's methods/vpdr_frameworks.py wires FPL, FedPLVM,
                                              (N, d) features the prototypes are computed from (eval mode,
                                              un-soft-clipped: SPEC 3.3); default the adapter path model.features
     release(env, model, data, privacy, ctx) -> dict[str, Tensor]
-                                             the upload; default {"protos": host-released class means,
-                                             "counts": public class counts}
+                                             the upload, from the model before this round's training (ctx:
+                                             round_context of the broadcast it is made under, the previous
+                                             round's aggregate); default {"protos": host-released class
+                                             means, "counts": public class counts}
     predictor(env, shared, private, data)    default logits head(z) of the client's model (no soft clip)
 
 and declares `releases` (default protos + counts), `loss_names` (default ("ce",)), `server_metrics`.
-local_train runs the hooks inside a torch RNG fork seeded from the round's `rng` (dropout draws from the
-global generator): a hook that builds modules on its first call must seed them itself (as
+local_release and local_train run the hooks inside a torch RNG fork seeded from their `rng` (dropout draws
+from the global generator): a hook that builds modules on its first call must seed them itself (as
 `ViTAdapterNet` does), or inline, Ray and resumed runs part ways.
 Helpers for them: `model(env, private)`, `train_features(env, model, data)`, `self.dcr`, `self.opts`.
 """
@@ -184,6 +183,7 @@ class VPDRMethod(Method):
     Options: ClassVar[type] = VPDROptions
     releases: ClassVar[dict[str, ReleaseSpec]] = {"protos": prototype(), "counts": public(COUNTS_NOTE)}
     loss_names: ClassVar[tuple[str, ...]] = ("ce",)
+    release_first: ClassVar[bool] = True  # SPEC 3.4: release, aggregate, broadcast, then train (module docstring)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -293,20 +293,25 @@ class VPDRMethod(Method):
         raise NotImplementedError
 
     # -- the client's round ----------------------------------------------------------------------
+
+    def local_release(self, env: VPDREnv, shared: dict[str, Tensor], private: dict[str, Any], data: ClientData, *,
+                      rng: torch.Generator, privacy: Any) -> LocalResult:
+        """(a) The round's upload: the `release` hook on the client's current model (before this round's
+        training; in its first round the untrained adapters). The private state is unchanged."""
+        model = self.model(env, private)
+        upload = _forked(env, rng, lambda: self.release(env, model, data, privacy, self.round_context(env, shared, private, data)))
+        return LocalResult(upload=upload, private=private, num_samples=data.num_train)
+
     def local_train(self, env: VPDREnv, shared: dict[str, Tensor], private: dict[str, Any], data: ClientData, *,
                     rng: torch.Generator, privacy: Any) -> LocalResult:
-        """(d) E epochs of the framework's loss (+ DCR) with the broadcast state, then (a) the release.
+        """(d) E epochs of the framework's loss (+ DCR) with the just-broadcast state; uploads nothing.
         Dropout draws from torch's global generator, so it is seeded here from `rng` (and restored after),
         once the model is built (building a backbone may draw from it too, and only on a host's first call)."""
         model = self.model(env, private)
-        seed = int(torch.randint(0, 2**62, (1,), generator=rng))
-        devices = [env.device.index or 0] if env.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            return self._local_train(env, model, shared, private, data, rng=rng, privacy=privacy)
+        return _forked(env, rng, lambda: self._local_train(env, model, shared, private, data, rng=rng))
 
     def _local_train(self, env: VPDREnv, model: ViTAdapterNet, shared: dict[str, Tensor], private: dict[str, Any],
-                     data: ClientData, *, rng: torch.Generator, privacy: Any) -> LocalResult:
+                     data: ClientData, *, rng: torch.Generator) -> LocalResult:
         opt = self.optimizer(model, private)
         teacher = self.teacher(model, private) if self.dcr else None
         ctx = self.round_context(env, shared, private, data)
@@ -336,7 +341,6 @@ class VPDRMethod(Method):
                 sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
                 for k, t in terms.items():
                     sums[k] = sums.get(k, 0.0) + float(t.detach())
-        upload = self.release(env, model, data, privacy, ctx)
         new_private = {
             **private,
             "model": model.trainable_state(),
@@ -345,12 +349,21 @@ class VPDRMethod(Method):
             "steps": steps,
         }
         metrics = {k: v / max(1, n_batches) for k, v in sums.items()}
-        return LocalResult(upload=upload, private=new_private, num_samples=data.num_train, metrics=metrics)
+        return LocalResult(upload={}, private=new_private, num_samples=data.num_train, metrics=metrics)
 
     def predictor(self, env: VPDREnv, shared: dict[str, Tensor], private: dict[str, Any], data: Optional[ClientData] = None):
         """Logits head(z) of the client's own model (no soft clip at test time: SPEC 3.3)."""
         model = self.model(env, private).eval()
         return lambda x: model(x.to(env.device))[1]
+
+
+def _forked(env: VPDREnv, rng: torch.Generator, fn: Any) -> Any:
+    """fn() with torch's global generator (and the device's) forked and seeded from `rng`."""
+    seed = int(torch.randint(0, 2**62, (1,), generator=rng))
+    devices = [env.device.index or 0] if env.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        return fn()
 
 
 def _clone(obj: Any, cpu: bool = False) -> Any:

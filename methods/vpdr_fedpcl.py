@@ -10,8 +10,8 @@ Server   P_g[c] = the unweighted mean of the uploaded class-c prototypes over th
 Test     Nearest *local clean* prototype by cosine (the client's own class means of clipped features,
          recomputed without noise; they never leave the client).
 
-Round 1 (methods/vpdr_base.py's round order) has no global prototypes yet; FedPCL has no CE, so its
-first local round has nothing to learn from (only DCR's KD, once warmed up). The clean test prototypes use
+Round order (methods/vpdr_base.py, SPEC 3.4): a round's training uses the prototypes released at the start
+of that round, so round 1 learns from the untrained adapters' prototypes. The clean test prototypes use
 plain L2 clipping to R under every privacy setting (the code group-clips them with a freshly drawn
 partition under VPP; nothing is released, so only the test rule differs).
 

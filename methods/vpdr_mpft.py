@@ -15,8 +15,9 @@ Server   Trains its own model's classifier head plus an extra residual LinearAda
          later round's optimiser, so it trains in the first server step only: `adapter_once=True`
          reproduces that, the default trains it every round.
 
-Round 1 (methods/vpdr_base.py's round order) trains before any server step, so the KD term starts once
-the server has fine-tuned its head (`trained` in the broadcast state). The teacher runs the client's own
+Round order (methods/vpdr_base.py, SPEC 3.4): the server fine-tunes on the round's releases before the
+clients train, so KD is on from round 1 (`trained` in the broadcast state marks a fine-tuned head; only
+the initial state, which no training round of a run sees, lacks it). The teacher runs the client's own
 backbone and frozen projection without adapters (the same frozen parts as the server's model in the
 homogeneous setting).
 """

@@ -1,15 +1,19 @@
 """DP-SGD on selected tensors, as the FedSEPT code does it (SPEC 1.6).
 
 Per-example gradients come from batched vector-Jacobian products on the per-example loss vector
-(one-hot rows as grad_outputs, `is_grads_batched=True`), `microbatch` rows at a time. They are
-clipped jointly over all privatised tensors, summed, noised with N(0, sigma^2 clip^2) and divided by
-the actual batch size; the result overwrites `.grad`. The other trainable tensors get the plain
-gradient of the mean loss (plus `public_loss`, a data-independent term, when given).
+(one-hot cotangent rows pulled back through the graph under `torch.func.vmap`; see VJP_MODES),
+`microbatch` rows at a time, the forward shared. They are clipped jointly over all privatised tensors,
+summed, noised with N(0, sigma^2 clip^2) and divided by the actual batch size; the result overwrites
+`.grad`. The other trainable tensors get the plain gradient of the mean loss (plus `public_loss`, a
+data-independent term, when given), read off the same batched backward passes (the sum of their
+per-example gradients), so a step costs one forward and B cotangents through one backward graph:
+the FLOP bound of exact per-example clipping for a prompt at the text tower's input (README "DP-SGD cost").
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -31,45 +35,128 @@ def _per_sample_loop(per_sample_loss: Tensor, params: Sequence[Tensor], rows: ra
     return [torch.stack(parts) for parts in out]
 
 
+# How the rows of one microbatch are pulled back through the graph, best first. "func": torch.func.vmap
+# over torch.autograd.grad, whose batching rules cover the backward of every op of the text towers
+# except the fused attention kernels (those run example by example inside it, correctly); "legacy":
+# autograd.grad(is_grads_batched=True), the older vmap, which batches matrix products but loops over the
+# rows for layer norm, GELU, softmax and attention backward; "loop": one backward per row.
+VJP_MODES = ("func", "legacy", "loop")
+
+
+def _rows_vjp(per_sample_loss: Tensor, params: Sequence[Tensor], start: int, stop: int, mode: str) -> list[Tensor]:
+    """d(per_sample_loss[i]) / d(params) for i in [start, stop): tensors of shape (stop - start, *p.shape)."""
+    n = stop - start
+    if mode == "loop":
+        return _per_sample_loop(per_sample_loss, params, range(start, stop))
+    rows = torch.zeros((n, per_sample_loss.shape[0]), dtype=per_sample_loss.dtype, device=per_sample_loss.device)
+    rows[torch.arange(n), torch.arange(start, stop)] = 1.0  # one-hot cotangents
+    if mode == "func":
+        def pull(v: Tensor) -> tuple[Tensor, ...]:
+            gs = torch.autograd.grad(per_sample_loss, params, v, retain_graph=True, allow_unused=True)
+            return tuple(torch.zeros_like(p) if g is None else g for g, p in zip(gs, params))
+
+        with warnings.catch_warnings():
+            # the fused attention kernels' backward has no batching rule, so vmap runs it row by row and
+            # says so; known and measured (attention is a few % of a short text sequence's FLOPs)
+            warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented the batching rule")
+            return list(torch.func.vmap(pull)(rows))
+    gs = torch.autograd.grad(per_sample_loss, params, grad_outputs=rows, is_grads_batched=True, retain_graph=True,
+                             allow_unused=True)
+    return [_zeros_like_batched(p, n) if g is None else g for g, p in zip(gs, params)]
+
+
+def default_budget(device: torch.device) -> float:
+    """Bytes the batched backward may use: 1 GiB on a CPU, an eighth of a GPU's total memory (the device's
+    size, not what is free now)."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory) / 8
+    return float(2**30)
+
+
+def auto_microbatch(per_sample_loss: Tensor, budget_bytes: float | None = None) -> int:
+    """Rows per batched backward so that the backward's transient memory stays near `budget_bytes`.
+
+    One cotangent row pulled back through the graph needs at most about as much memory as the tensors the
+    forward saved for backward (every saved activation gets at most one gradient of its size per row), so
+    this is budget / (bytes saved in `per_sample_loss`'s graph), in [1, B]: conservative, since most of
+    those gradients are freed before the next layer's are made. It depends only on the graph's shapes and
+    the device's size (`default_budget`), never on the memory free at the moment, so a run's results do
+    not depend on the machine's load (the microbatch changes summation order, hence the last float bits)."""
+    if budget_bytes is None:
+        budget_bytes = default_budget(per_sample_loss.device)
+    b = int(per_sample_loss.shape[0])
+    fn = per_sample_loss.grad_fn
+    if b <= 1 or fn is None:
+        return max(1, b)
+    seen_nodes: set[int] = set()
+    seen_tensors: set[tuple] = set()
+    total = 0
+    stack: list = [fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        for name in dir(node):
+            if name.startswith("_saved_") and not name.startswith("_saved_self_sym"):
+                try:
+                    t = getattr(node, name)
+                except RuntimeError:  # already freed
+                    continue
+                if isinstance(t, Tensor) and t.numel() > 0:
+                    key = (t.untyped_storage().data_ptr(), t.dtype, tuple(t.shape))
+                    if key not in seen_tensors:
+                        seen_tensors.add(key)
+                        total += t.numel() * t.element_size()
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return int(min(b, max(1, budget_bytes // max(total, 1))))
+
+
 def per_sample_grads(per_sample_loss: Tensor, params: Sequence[Tensor], *, microbatch: int = 8) -> list[Tensor]:
     """Gradient of every entry of `per_sample_loss` (shape (B,)) w.r.t. every tensor in `params`:
-    a list of tensors of shape (B, *param.shape). The graph is retained."""
+    a list of tensors of shape (B, *param.shape). The graph is retained. `microbatch`: rows pulled
+    back per batched backward (0 = `auto_microbatch`)."""
+    return _per_sample_and_sum(per_sample_loss, list(params), [], microbatch=microbatch)[0]
+
+
+def _per_sample_and_sum(per_sample_loss: Tensor, params: list[Tensor], summed: list[Tensor], *,
+                        microbatch: int) -> tuple[list[Tensor], list[Tensor]]:
+    """(per-example gradients w.r.t. `params`, the sum over examples of the gradients w.r.t. `summed`),
+    from the same batched backward passes: the rows that give the per-example gradients of `params` give
+    those of `summed` too, at the cost of the graph's leaves only (the text tower is pulled back once per
+    row either way), so the other tensors' plain gradient needs no extra backward."""
     if per_sample_loss.dim() != 1:
         raise ValueError(f"per_sample_loss must have shape (B,), got {tuple(per_sample_loss.shape)}")
-    if microbatch < 1:
-        raise ConfigError(f"microbatch must be >= 1, got {microbatch}")
-    params = list(params)
+    if microbatch < 0:
+        raise ConfigError(f"microbatch must be >= 1 (or 0 = automatic), got {microbatch}")
     b = per_sample_loss.shape[0]
-    if not params:
-        return []
+    if not params and not summed:
+        return [], []
     if b == 0:
-        return [_zeros_like_batched(p, 0) for p in params]
-    eye = torch.eye(b, dtype=per_sample_loss.dtype, device=per_sample_loss.device)
+        return [_zeros_like_batched(p, 0) for p in params], [torch.zeros_like(p) for p in summed]
+    step = auto_microbatch(per_sample_loss) if microbatch == 0 else microbatch
+    every = params + summed
     chunks: list[list[Tensor]] = [[] for _ in params]
-    batched_ok = True
-    for start in range(0, b, microbatch):
-        stop = min(b, start + microbatch)
-        gs: Sequence[Tensor] | None = None
-        if batched_ok:
+    sums: list[Tensor | None] = [None for _ in summed]
+    mode = 0
+    for start in range(0, b, step):
+        stop = min(b, start + step)
+        while True:
             try:
-                gs = torch.autograd.grad(
-                    per_sample_loss,
-                    params,
-                    grad_outputs=eye[start:stop],
-                    is_grads_batched=True,
-                    retain_graph=True,
-                    allow_unused=True,
-                )
-                gs = [_zeros_like_batched(p, stop - start) if g is None else g for g, p in zip(gs, params)]
+                gs = _rows_vjp(per_sample_loss, every, start, stop, VJP_MODES[mode])
+                break
             except (RuntimeError, NotImplementedError):
-                # an op without a batching rule (vmap): fall back to one backward per example
-                batched_ok = False
-                gs = None
-        if gs is None:
-            gs = _per_sample_loop(per_sample_loss, params, range(start, stop))
-        for j, g in enumerate(gs):
-            chunks[j].append(g.detach())
-    return [torch.cat(parts, dim=0) for parts in chunks]
+                if mode == len(VJP_MODES) - 1:
+                    raise
+                mode += 1  # an op this way cannot batch: the next way, for this and the later microbatches
+        for j in range(len(params)):
+            chunks[j].append(gs[j].detach())
+        for k in range(len(summed)):
+            part = gs[len(params) + k].detach().sum(dim=0)
+            prev = sums[k]
+            sums[k] = part if prev is None else prev + part
+    per_example = [torch.cat(parts, dim=0) for parts in chunks]
+    return per_example, [s if s is not None else torch.zeros_like(p) for s, p in zip(sums, summed)]
 
 
 def clip_per_sample(grads: list[Tensor], clip: float) -> list[Tensor]:
@@ -165,8 +252,8 @@ class DPSGD(_Standalone):
             raise ConfigError(f"clipping norm must be > 0, got {clip}")
         if not (0 < sample_rate <= 1):
             raise ConfigError(f"sample rate must lie in (0, 1], got {sample_rate}")
-        if microbatch < 1:
-            raise ConfigError(f"microbatch must be >= 1, got {microbatch}")
+        if microbatch < 0:
+            raise ConfigError(f"microbatch must be >= 1 (or 0 = automatic), got {microbatch}")
         self.sigma = float(sigma)
         self.clip = float(clip)
         self.sample_rate = float(sample_rate)
@@ -181,16 +268,27 @@ class DPSGD(_Standalone):
     def backward(self, per_sample_loss: Tensor, dp_params, other_params: Sequence[Tensor] = (), public_loss: Tensor | None = None) -> None:
         named = _named(dp_params)
         dp_list = list(named.values())
+        others = [p for p in other_params if p.requires_grad]
         b = int(per_sample_loss.shape[0])
         if b == 0 and self.expected_batch is None:
             raise ValueError("DP-SGD step on an empty batch")
-        public_grads = None
-        if public_loss is not None and dp_list:
-            public_grads = torch.autograd.grad(public_loss, dp_list, retain_graph=True, allow_unused=True)
+        public_grads: Sequence[Tensor | None] = [None] * (len(dp_list) + len(others))
+        if public_loss is not None and (dp_list or (others and b > 0)):
+            wrt = dp_list + (others if b > 0 else [])
+            public_grads = list(torch.autograd.grad(public_loss, wrt, retain_graph=True, allow_unused=True))
+            public_grads += [None] * (len(dp_list) + len(others) - len(public_grads))
+        # one set of batched backward passes gives the per-example gradients of the privatised tensors and
+        # the summed (plain) gradient of the others; the graph is kept for the caller, as under NoDP it is not
+        grads, other_sums = _per_sample_and_sum(per_sample_loss, dp_list, others if b > 0 else [], microbatch=self.microbatch)
         if dp_list:
-            self.apply_per_example(named, per_sample_grads(per_sample_loss, dp_list, microbatch=self.microbatch), b, public_grads)
+            self.apply_per_example(named, grads, b, public_grads[:len(dp_list)])
         if b > 0:  # the other tensors get the plain gradient of the whole loss, as under NoDP
-            _plain_grads(per_sample_loss.mean() if public_loss is None else per_sample_loss.mean() + public_loss, other_params)
+            for k, (p, g) in enumerate(zip(others, other_sums)):
+                total = g / b
+                pg = public_grads[len(dp_list) + k]
+                if pg is not None:
+                    total = total + pg.detach()
+                p.grad = total.detach().to(p.dtype)
         self.record_step(named)
 
     def apply_per_example(self, named: dict[str, Tensor], grads: Sequence[Tensor], b: int,
@@ -208,9 +306,9 @@ class DPSGD(_Standalone):
             if std > 0:
                 total = total + gaussian_noise_like(total, std, self.generator)
             total = total / denom
-            pub = public_grads[j] if public_grads is not None else None
-            if pub is not None:
-                total = total + pub.detach()
+            pg = public_grads[j] if public_grads is not None else None
+            if pg is not None:
+                total = total + pg.detach()
             p.grad = total.detach().to(p.dtype)
 
     def record_step(self, named: dict[str, Tensor]) -> None:

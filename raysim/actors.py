@@ -6,12 +6,15 @@ the inline backend calls them directly, so both backends run exactly the same co
 A ClientHost holds the method's frozen parts once, and per client: the data slice and the private state;
 its `HostPrivacy` (privacy/host.py) holds each client's calibrated noise and ledger and checks every upload
 against the method's declared releases. Private state leaves the host only into the client's own
-checkpoint; metrics go to the driver, never to the server.
+checkpoint; metrics go to the driver, never to the server. A round is one `train` call per host, or for a
+method that releases first (`Method.release_first`, SPEC 3.4) a `release` call, the server's
+aggregation, then a `train` call whose uploads are empty (raysim/backends.py).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import time
@@ -51,10 +54,11 @@ def make_method(cfg: RunConfig) -> Method:
 
 
 def env_spec(cfg: RunConfig, classnames: list[str]) -> EnvSpec:
-    from raysim.models.clip import ModelSpec, resolve_device
+    from raysim.models.clip import FastPaths, ModelSpec, resolve_device
 
     return EnvSpec(
-        model=ModelSpec(cfg.model.name, cfg.model.pretrained, cache_dir=cfg.output.cache_dir),
+        model=ModelSpec(cfg.model.name, cfg.model.pretrained, cache_dir=cfg.output.cache_dir,
+                        fast=FastPaths(cfg.execution.autocast, cfg.execution.compile)),
         classnames=list(classnames),
         device=str(resolve_device(cfg.execution.device)),
         dataset=cfg.data.dataset,
@@ -150,7 +154,10 @@ class ClientHost:
         before the round (nothing left it, so nothing is charged). The driver applies the policy
         (`check_round`). Under on_client_error=fail the host stops at its first failed client: the run
         stops anyway. Privacy errors (UploadViolation, PrivacyBudgetExceeded) and other RaysimErrors
-        always propagate: they are not client faults but the privacy checks doing their job."""
+        always propagate: they are not client faults but the privacy checks doing their job.
+        For a `release_first` method this is the round's second half, after the server aggregated the
+        clients' `release`: local_train must upload nothing, and a failed client keeps its state and ledger
+        as after its release (which was sent, so stays charged)."""
         uploads, reports = [], []
         shared = {k: v.to(self.device) for k, v in shared.items()}
         from raysim.batched import train_stack
@@ -173,6 +180,9 @@ class ClientHost:
                     break
                 continue
             tensors = privacy.close(result.upload)  # checked against the declared releases, privatised, accounted
+            if self.method.release_first and tensors:
+                raise UploadViolation(f"client {cid}: {self.method.name} releases first, so its local_train must upload nothing "
+                                      f"(it returned {sorted(tensors)}); the round's upload is what local_release returns")
             self.private[cid] = result.private
             self.dirty.add(cid)
             up = Upload(cid, tensors, int(result.num_samples))
@@ -182,19 +192,53 @@ class ClientHost:
             )
         return uploads, reports
 
-    def _local_train(self, round_idx: int, cid: int, shared: dict[str, torch.Tensor], privacy: Any) -> tuple[str, Any]:
-        """The method's local_train for one client: ("", result), or (what went wrong, None) when it raised,
-        returned a non-finite upload (checked before the host's privacy check records anything), or took
-        longer than cfg.execution.client_timeout wall-clock seconds (measured around the call, so enforced after it
-        returns; its work is discarded)."""
+    def release(self, round_idx: int, client_ids: list[int], shared: dict[str, torch.Tensor]) -> tuple[list[Upload], list[ClientReport]]:
+        """The first half of a `release_first` method's round: each of `client_ids` (in id order) makes its
+        upload from its current state (`local_release`, rng stream "release"), checked, privatised and
+        accounted by the host like any upload; the server aggregates these, then `train` runs on the new
+        broadcast. Failures as in `train`: a client whose release fails sends nothing and keeps its state
+        and ledger (the driver leaves it out of the round's training)."""
+        if not self.method.release_first:
+            raise RaysimError(f"{self.method.name} does not release first (release_first is False): its uploads come from train")
+        uploads, reports = [], []
+        shared = {k: v.to(self.device) for k, v in shared.items()}
+        drop = self.cfg.execution.on_client_error == "drop"
+        for cid in sorted(client_ids):
+            saved = (copy.deepcopy(self._private(cid)), self.privacy.snapshot(cid)) if drop else None
+            privacy = self.privacy.open(cid, round_idx, self.data[cid].num_train, shared)
+            error, result = self._local_train(round_idx, cid, shared, privacy, phase="release")
+            if error:
+                if saved is not None:
+                    self.private[cid] = saved[0]
+                    self.privacy.restore(cid, saved[1])
+                reports.append(ClientReport(cid, math.nan, 0, self.epsilon(cid), {}, dropped=True, error=error))
+                if not drop:
+                    break
+                continue
+            tensors = privacy.close(result.upload)  # checked against the declared releases, privatised, accounted
+            self.private[cid] = result.private
+            self.dirty.add(cid)
+            up = Upload(cid, tensors, int(result.num_samples))
+            uploads.append(up)
+            reports.append(ClientReport(cid, math.nan, up.nbytes(), self.epsilon(cid), dict(result.metrics)))
+        return uploads, reports
+
+    def _local_train(self, round_idx: int, cid: int, shared: dict[str, torch.Tensor], privacy: Any, *,
+                     phase: str = "train") -> tuple[str, Any]:
+        """The method's local_train (or, phase="release", local_release) for one client: ("", result), or
+        (what went wrong, None) when it raised, returned a non-finite upload (checked before the host's
+        privacy check records anything), or took longer than cfg.execution.client_timeout wall-clock seconds
+        (measured around the call, so enforced after it returns; its work is discarded). Each phase draws
+        from its own stream, generator(seed, phase, round, client)."""
+        step = self.method.local_release if phase == "release" else self.method.local_train
         t0 = time.perf_counter()
         try:
-            result = self.method.local_train(
+            result = step(
                 self.env,
                 shared,
                 self._private(cid),
                 self.data[cid],
-                rng=generator(self.cfg.train.seed, "train", round_idx, cid),
+                rng=generator(self.cfg.train.seed, phase, round_idx, cid),
                 privacy=privacy,
             )
         except RaysimError:
@@ -208,7 +252,8 @@ class ClientHost:
             if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) and not bool(torch.isfinite(v).all()):
                 return f"upload {k!r} is not finite ({int((~torch.isfinite(v)).sum())} of {v.numel()} values are nan or inf)", None
         if self.cfg.execution.client_timeout > 0 and seconds > self.cfg.execution.client_timeout:
-            return f"local training took {seconds:.2f} s, more than client_timeout={self.cfg.execution.client_timeout:g} s", None
+            what = "local release" if phase == "release" else "local training"
+            return f"{what} took {seconds:.2f} s, more than client_timeout={self.cfg.execution.client_timeout:g} s", None
         return "", result
 
     @torch.no_grad()
@@ -255,6 +300,22 @@ def check_round(cfg: RunConfig, round_idx: int, reports: list[ClientReport]) -> 
             f"fewer than min_clients={cfg.execution.min_clients} ({which}); {resume} after fixing them, or lower min_clients",
             client_id=failed[0].client_id, round_idx=round_idx, error=failed[0].error,
         )
+
+
+def merge_phases(released: list[ClientReport], trained: list[ClientReport]) -> list[ClientReport]:
+    """One report per participant of a `release_first` round, in client order: a client whose release
+    failed keeps that report (it did not train); the others get their training report (loss, metrics,
+    epsilon after the round; dropped when training failed) with the release's bytes_up (what it sent)
+    and any metrics the release reported."""
+    by_id = {r.client_id: r for r in trained}
+    out = []
+    for r in sorted(released, key=lambda r: r.client_id):
+        t = by_id.get(r.client_id)
+        if r.dropped or t is None:
+            out.append(r)
+        else:
+            out.append(dataclasses.replace(t, bytes_up=r.bytes_up, metrics={**r.metrics, **t.metrics}))
+    return out
 
 
 def server_classnames(method: Method, classnames: list[str]) -> list[str]:

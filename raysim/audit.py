@@ -128,6 +128,22 @@ class RunView:
         path = self.store.root / "clients" / str(cid) / f"{round_idx:05d}.pt"
         return load_checked(path) if path.is_file() else None
 
+    def release_state(self, cid: int, round_idx: int) -> Optional[dict]:
+        """The client state behind its round-`round_idx` upload (None when not on disk): the checkpoint of
+        that round (the method uploads after its local training), or for a `release_first` method (the
+        VPDR frameworks, SPEC 3.4: release, then train) the state it entered the round with: its checkpoint
+        of its previous participation, or before its first its initial state."""
+        if not getattr(self.method, "release_first", False):
+            return self.client_state(cid, round_idx)
+        from raysim.actors import initial_private
+        from raysim.sampling import participants
+
+        t = self.cfg.train
+        earlier = [r for r in range(round_idx) if cid in participants(t.seed, r, t.num_clients, t.participation)]
+        if earlier:
+            return self.client_state(cid, earlier[-1])
+        return {"private": initial_private(self.method, self.env, self.data.client(cid), t.seed)}
+
     def latest_client_state(self, cid: int) -> Optional[dict]:
         return self.store.load_client(cid, self.store.completed_round())
 
@@ -272,9 +288,9 @@ def prototype_attacks(view: RunView, *, rounds: str = "available", fsh: Optional
         attacked = [c for c in sorted(record["uploads"]) if clients is None or c in clients]
         done_any = False
         for cid in attacked:
-            saved = view.client_state(cid, r)
+            saved = view.release_state(cid, r)
             if saved is None:
-                out.skipped.append(f"round {r}, client {cid}: its round-{r} model is no longer on disk")
+                out.skipped.append(f"round {r}, client {cid}: the model behind its round-{r} release is no longer on disk")
                 continue
             done_any = True
             upload = record["uploads"][cid]

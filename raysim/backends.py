@@ -3,6 +3,11 @@
 Both implement `Backend`: per round `train_round` (dispatch once per client host with the list of its
 participating clients, then aggregate on the server in client-id order), `evaluate`, `commit`; and
 `shutdown` and `info` for the run. Which clients share a host is `raysim.cluster.plan_hosts`.
+
+For a method with `release_first` (SPEC 3.4) `train_round` has two phases: every host's `release` of the
+broadcast state, the server's aggregation of those uploads, then every host's `train` on the new
+broadcast (whose uploads are empty and not aggregated). The clients whose release failed (dropped) do
+not train. Reports carry the training's loss and metrics and the release's bytes_up.
 """
 
 from __future__ import annotations
@@ -10,9 +15,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
-from raysim.actors import ClientHost, ClientReport, FederationData, ServerHost, check_round
+from raysim.actors import ClientHost, ClientReport, FederationData, ServerHost, check_round, merge_phases
 from raysim.cluster import init_ray, plan_hosts
 from raysim.config import RunConfig
+from raysim.methods import get_method
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +53,7 @@ class InlineBackend:
         self.groups = plan_hosts(cfg, cluster_cpus=1, cluster_gpus=0)  # one process: num_actors=0 is one host
         self.server = ServerHost(cfg, data.classnames, out_dir, resume_round)
         self.hosts = [ClientHost(cfg, data, g, out_dir, resume_round) for g in self.groups]
+        self.release_first = bool(get_method(cfg.method).release_first)
         self.info = {"backend": "inline", "hosts": len(self.hosts)}
 
     def train_round(self, round_idx: int, participants: list[int]) -> tuple[list[ClientReport], dict[str, Any]]:
@@ -56,12 +63,23 @@ class InlineBackend:
         for host, group in zip(self.hosts, self.groups):
             mine = [c for c in group if c in chosen]
             if mine:
-                ups, reps = host.train(round_idx, mine, shared)
+                ups, reps = (host.release if self.release_first else host.train)(round_idx, mine, shared)
                 upload_lists.append(ups)
                 reports += reps
         check_round(self.cfg, round_idx, reports)  # on_client_error: stop, or aggregate without the dropped
         stats = self.server.aggregate(round_idx, *upload_lists)
-        return sorted(reports, key=lambda r: r.client_id), stats
+        if not self.release_first:
+            return sorted(reports, key=lambda r: r.client_id), stats
+        shared = self.server.get_shared()  # (c) the fresh aggregate, then (d) training on it
+        released = {r.client_id for r in reports if not r.dropped}
+        trained: list[ClientReport] = []
+        for host, group in zip(self.hosts, self.groups):
+            mine = [c for c in group if c in released]
+            if mine:
+                trained += host.train(round_idx, mine, shared)[1]
+        reports = merge_phases(reports, trained)
+        check_round(self.cfg, round_idx, reports)
+        return reports, stats
 
     def evaluate(self) -> list[dict[str, Any]]:
         shared = self.server.get_shared()
@@ -99,6 +117,7 @@ class RayBackend:
         self.server = self._new_server(resume_round)
         self.hosts = [self._new_host(g, resume_round) for g in self.groups]
         self.restarts = 0
+        self.release_first = bool(get_method(cfg.method).release_first)
         self._round: dict[str, Any] = {}  # this round's inputs, kept until commit (to replay it on a new actor)
         devices = ray.get([h.device_info.remote() for h in self.hosts])
         self.info = {
@@ -130,18 +149,21 @@ class RayBackend:
             ) from error
         log.warning("%s died (%s); restarting it from the last completed round", what, error.__class__.__name__)
 
-    def _replace_host(self, i: int, error: Exception, *, replay: bool) -> None:
-        """A new actor for host i from the last committed round (the one before `_round`). With `replay`,
-        it re-trains this round's clients from the same shared state and RNG streams: the same private
-        state as the lost actor held (its uploads are discarded; the server already has identical ones)."""
+    def _replace_host(self, i: int, error: Exception) -> None:
+        """A new actor for host i from the last committed round (the one before `_round`). It replays the
+        calls of this round that every host had completed (`_round["done"]`: the training, or a
+        release_first method's release and then its training), with the same inputs and RNG streams: the
+        same private state and ledger as the lost actor held (its uploads are discarded; the server already
+        has identical ones)."""
         self._dead(f"client actor {i} (clients {self.groups[i][:4]}{'...' if len(self.groups[i]) > 4 else ''})", error)
         r = self._round
         self.hosts[i] = self._new_host(self.groups[i], r["round"] - 1)
-        mine = r["mine"].get(i)
-        if replay and mine:
-            self.ray.get(self.hosts[i].train.options(num_returns=2).remote(r["round"], mine, r["shared"])[1])
+        for phase, mine, shared_ref in r.get("done", []):
+            if mine.get(i):
+                call = getattr(self.hosts[i], phase)
+                self.ray.get(call.options(num_returns=2).remote(r["round"], mine[i], shared_ref)[1])
 
-    def _get_each(self, refs: dict[int, Any], resubmit, *, replay: bool) -> dict[int, Any]:
+    def _get_each(self, refs: dict[int, Any], resubmit) -> dict[int, Any]:
         """ray.get per host; a host whose actor died is replaced and its call resubmitted."""
         out = {}
         while refs:
@@ -150,33 +172,47 @@ class RayBackend:
                 try:
                     out[i] = self.ray.get(ref)
                 except self.ray.exceptions.RayActorError as e:
-                    self._replace_host(i, e, replay=replay)
+                    self._replace_host(i, e)
                     retry[i] = resubmit(i)
             refs = retry
         return out
 
     # -- the three calls of a round --------------------------------------------------------------
     def train_round(self, round_idx: int, participants: list[int]) -> tuple[list[ClientReport], dict[str, Any]]:
-        self._round = {"round": round_idx}
+        self._round = {"round": round_idx, "done": []}
         # one object in the store, read by every actor
         shared_ref = self.ray.put(self._server_call(lambda: self.server.get_shared.remote(), aggregated=False))
         chosen = set(participants)
         mine = {i: [c for c in g if c in chosen] for i, g in enumerate(self.groups)}
         mine = {i: m for i, m in mine.items() if m}
-        self._round.update(shared=shared_ref, mine=mine)
-        upload_refs: dict[int, Any] = {}
-
-        def submit(i: int):
-            ups, reps = self.hosts[i].train.options(num_returns=2).remote(round_idx, mine[i], shared_ref)
-            upload_refs[i] = ups
-            return reps
-
-        reports = self._get_each({i: submit(i) for i in mine}, submit, replay=False)
+        reports, upload_refs = self._phase("release" if self.release_first else "train", round_idx, mine, shared_ref)
         check_round(self.cfg, round_idx, [r for i in sorted(reports) for r in reports[i]])
         self._round["uploads"] = [upload_refs[i] for i in sorted(upload_refs)]
         stats = self._server_call(lambda: self.server.aggregate.remote(round_idx, *self._round["uploads"]), aggregated=False)
-        flat = [r for i in sorted(reports) for r in reports[i]]
-        return sorted(flat, key=lambda r: r.client_id), stats
+        flat = sorted((r for i in sorted(reports) for r in reports[i]), key=lambda r: r.client_id)
+        if not self.release_first:
+            return flat, stats
+        shared_ref = self.ray.put(self._server_call(lambda: self.server.get_shared.remote(), aggregated=True))
+        released = {r.client_id for r in flat if not r.dropped}
+        trainers = {i: [c for c in m if c in released] for i, m in mine.items()}
+        trained, _ = self._phase("train", round_idx, {i: m for i, m in trainers.items() if m}, shared_ref)
+        flat = merge_phases(flat, [r for i in sorted(trained) for r in trained[i]])
+        check_round(self.cfg, round_idx, flat)
+        return flat, stats
+
+    def _phase(self, phase: str, round_idx: int, mine: dict[int, list[int]], shared_ref: Any) -> tuple[dict[int, Any], dict[int, Any]]:
+        """One `phase` call ("train" or "release") per host with its clients: (reports, upload refs) by host.
+        Once every host has answered, the call joins `_round["done"]`, what a replacement actor replays."""
+        upload_refs: dict[int, Any] = {}
+
+        def submit(i: int):
+            ups, reps = getattr(self.hosts[i], phase).options(num_returns=2).remote(round_idx, mine[i], shared_ref)
+            upload_refs[i] = ups
+            return reps
+
+        reports = self._get_each({i: submit(i) for i in mine}, submit)
+        self._round["done"].append((phase, mine, shared_ref))
+        return reports, upload_refs
 
     def _server_call(self, call, *, aggregated: bool):
         """A server call; if the server actor died, a new one resumes from the last committed round, and
@@ -197,7 +233,7 @@ class RayBackend:
         def submit(i: int):
             return self.hosts[i].evaluate.remote(shared_ref)
 
-        rows = self._get_each({i: submit(i) for i in range(len(self.hosts))}, submit, replay=True)
+        rows = self._get_each({i: submit(i) for i in range(len(self.hosts))}, submit)
         return sorted((row for i in rows for row in rows[i]), key=lambda r: r["client"])
 
     def commit(self, round_idx: int) -> None:
@@ -205,7 +241,7 @@ class RayBackend:
             return self.hosts[i].commit.remote(round_idx)
 
         self._server_call(lambda: self.server.commit.remote(round_idx), aggregated=True)
-        self._get_each({i: submit(i) for i in range(len(self.hosts))}, submit, replay=True)
+        self._get_each({i: submit(i) for i in range(len(self.hosts))}, submit)
         self._round = {}
 
     def shutdown(self) -> None:

@@ -116,8 +116,9 @@ def _set_plain(loss: Any, params: list[Tensor]) -> None:
 def batchable(host: "ClientHost") -> bool:
     """execution.batch_clients is on, the method stacks clients, and no per-client wall clock is asked for
     (client_timeout times each client's own local_train, which a stack does not have)."""
-    x = host.cfg.execution
-    return bool(x.batch_clients) and x.client_timeout <= 0 and bool(getattr(host.method, "supports_batching", lambda: False)())
+    x, m = host.cfg.execution, host.method
+    return (bool(x.batch_clients) and x.client_timeout <= 0 and not getattr(m, "release_first", False)
+            and bool(getattr(m, "supports_batching", lambda: False)()))
 
 
 def upload_error(upload: dict[str, Any]) -> str:

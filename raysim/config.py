@@ -36,7 +36,7 @@ class DPConfig:
     delta: float = 1e-5
     clip: float = 1.0  # per-example L2 clipping norm R_c of DP-SGD
     accountant: str = "rdp"  # rdp | prv (Opacus accountants)
-    microbatch: int = 8  # per-example gradients are computed this many at a time (memory bound)
+    microbatch: int = 8  # per-example gradients are computed this many at a time (memory bound); 0 = sized from memory
     # Steps used to calibrate sigma: "participated" = the rounds a client really takes part in
     # (fedsept.txt appendix B.2); "all_rounds" = every round, as the official code does (conservative).
     calibration: str = "participated"
@@ -95,7 +95,8 @@ class EvalConfig:
 
 @dataclass
 class ExecutionConfig:
-    """Where and how the run executes; none of it changes results (except num_threads, bitwise)."""
+    """Where and how the run executes; none of it changes results (except num_threads, bitwise, and the
+    text-tower fast paths autocast and compile, within float tolerance: README "GPUs")."""
 
     backend: str = field(default="ray", metadata=RESUMABLE)  # ray | inline (same code, one process, no Ray)
     placement: str = field(default="pooled", metadata=RESUMABLE)  # pooled | actor_per_client
@@ -106,6 +107,8 @@ class ExecutionConfig:
     server_gpus: float = field(default=0.0, metadata=RESUMABLE)
     num_threads: int = 1  # torch threads per actor (results are bitwise reproducible for a fixed value)
     device: str = field(default="auto", metadata=RESUMABLE)  # auto | cpu | cuda
+    autocast: str = "off"  # off | bf16 | fp16: the frozen text tower under torch.autocast (fp16 needs CUDA)
+    compile: bool = False  # torch.compile the text tower's forward (refused with DP-SGD: see README "GPUs")
     address: str = field(default="", metadata=RESUMABLE)  # join an existing Ray cluster ("auto" on a `ray up` head)
     max_actor_restarts: int = field(default=3, metadata=RESUMABLE)  # actors replaced after a crash, per run
     # client failures: a client whose local training raises, uploads a non-finite tensor or takes longer
@@ -398,6 +401,10 @@ def validate(cfg: RunConfig) -> None:
     _validate_eval(cfg.eval)
     _validate_execution(cfg.execution, cfg.train)
     _validate_dp(cfg.dp)
+    _check(not (cfg.execution.compile and cfg.dp.enabled and cfg.dp.level == "sample"),
+           "execution.compile=true cannot run with DP-SGD (dp.epsilon finite, dp.level=sample): a compiled text tower's "
+           "backward does not batch over DP-SGD's per-example cotangents, so every example would need its own backward "
+           "(slower than not compiling); set execution.compile=false under DP, or dp.level=client")
     opts = cfg.method_options()
     check = getattr(opts, "validate", None)
     if callable(check):
@@ -467,6 +474,12 @@ def _validate_execution(x: ExecutionConfig, t: TrainConfig) -> None:
     _check(x.stack_size >= 1, f"execution.stack_size is the most clients trained in one stack and must be >= 1, got {x.stack_size} "
            "(execution.batch_clients=false trains client by client)")
     _check(x.device in ("auto", "cpu", "cuda"), f"execution.device must be auto, cpu or cuda, got {x.device!r}")
+    from raysim.models.clip import FastPaths
+
+    fast = FastPaths(x.autocast, x.compile)
+    fast.check("cuda")  # the choices; the device itself is checked where the tower is built (an actor may have a GPU)
+    if x.device == "cpu":
+        fast.check("cpu")
 
 
 def _validate_dp(dp: DPConfig) -> None:
@@ -477,7 +490,7 @@ def _validate_dp(dp: DPConfig) -> None:
     _check(0 < dp.delta < 1, f"dp.delta must be in (0, 1), got {dp.delta}")
     _check(dp.clip > 0, f"dp.clip must be > 0, got {dp.clip}")
     _check(dp.accountant in ACCOUNTANTS, f"dp.accountant must be one of {', '.join(ACCOUNTANTS)}, got {dp.accountant!r}")
-    _check(dp.microbatch >= 1, f"dp.microbatch must be >= 1, got {dp.microbatch}")
+    _check(dp.microbatch >= 0, f"dp.microbatch must be >= 1, or 0 = sized from the graph's memory, got {dp.microbatch}")
     _check(dp.calibration in ("participated", "all_rounds"), "dp.calibration must be participated or all_rounds")
     _check(dp.level in ("sample", "client"), f"dp.level must be sample or client, got {dp.level!r}")
     _check(dp.sampling in ("poisson", "shuffle"), f"dp.sampling must be poisson or shuffle, got {dp.sampling!r}")

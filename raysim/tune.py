@@ -256,12 +256,13 @@ def _space_values(space: Mapping[str, Mapping[str, list[Any]]], key: str) -> lis
 
 def _trial_grid(base: Mapping[str, Any], space: Mapping[str, Mapping[str, list[Any]]]) -> list[dict[str, Any]]:
     """Configs at the corners of the space (every listed value, both bounds): for resource checks."""
+    import copy
     import itertools
 
     keys = list(space)
     out = []
     for combo in itertools.product(*[_space_values(space, k) for k in keys]):
-        values = merge_config(dict(base), {})
+        values = merge_config(copy.deepcopy(dict(base)), {})  # each corner its own nested sections
         for k, v in zip(keys, combo):
             _set_dotted(values, k, v)
         out.append(values)

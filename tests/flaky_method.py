@@ -1,5 +1,6 @@
-"""A test-only method: PromptFL whose local training fails for one chosen client in one chosen round
-(tests/engine/test_client_failures.py). Importing this module registers it as `flaky`.
+"""Test-only methods: PromptFL whose local training fails for one chosen client in one chosen round
+(tests/engine/test_client_failures.py), and vpdr_fedproto (a release_first method) whose release or
+training fails so. Importing this module registers them as `flaky` and `flaky_vpdr`.
 
 It is imported lazily by the tests (not at collection time), so the registry-driven conformance tests do
 not pick it up. Ray workers import it when they unpickle the run config (its `flaky` section is an
@@ -14,6 +15,8 @@ import torch
 
 from raysim.methods.base import register_method
 from raysim.methods.promptfl import PromptFL
+from raysim.methods.vpdr_fedproto import Options as VPDRFedProtoOptions
+from raysim.methods.vpdr_fedproto import VPDRFedProto
 
 
 @register_method
@@ -51,3 +54,30 @@ class FlakyPromptFL(PromptFL):
             result.upload["ctx"] = ctx
         return result
 
+
+
+@dataclass
+class FlakyVPDROptions(VPDRFedProtoOptions):
+    client: int = -1  # the client that fails (-1 = none)
+    round: int = -1  # in this round
+    phase: str = "release"  # release | train: which half of the round raises
+
+
+@register_method
+class FlakyVPDR(VPDRFedProto):
+    name = "flaky_vpdr"
+    Options = FlakyVPDROptions
+
+    def _hit(self, data, privacy, phase: str) -> None:
+        o = self.opts
+        if o.phase == phase and data.client_id == o.client and privacy.round == o.round:
+            raise RuntimeError(f"flaky client {data.client_id} broke in its {phase}")
+
+    def local_release(self, env, shared, private, data, *, rng, privacy):
+        self._hit(data, privacy, "release")
+        return super().local_release(env, shared, private, data, rng=rng, privacy=privacy)
+
+    def local_train(self, env, shared, private, data, *, rng, privacy):
+        result = super().local_train(env, shared, private, data, rng=rng, privacy=privacy)
+        self._hit(data, privacy, "train")  # after training: its work must be discarded
+        return result

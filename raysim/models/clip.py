@@ -42,14 +42,45 @@ def register_builtin_configs() -> None:
         _registered = True
 
 
+AUTOCAST = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class FastPaths:
+    """How the frozen text tower runs (execution.autocast, execution.compile); results change only within
+    float tolerance (README "GPUs"). Not part of `ModelSpec.key()`: cached image features are computed in
+    fp32 without them.
+
+    - autocast: "off" | "bf16" | "fp16": the tower's forward (and so its backward) under torch.autocast;
+      the features come out in float32. fp16 needs CUDA (`check`).
+    - compile: torch.compile the tower's forward after the sequence cut, with `compile_backend` (inductor;
+      the tests pass "eager", which traces the same graph with dynamo but skips inductor's code generation)."""
+
+    autocast: str = "off"
+    compile: bool = False
+    compile_backend: str = "inductor"
+
+    def check(self, device: str | torch.device) -> None:
+        if self.autocast not in AUTOCAST:
+            raise ConfigError(f"execution.autocast must be one of {', '.join(AUTOCAST)}, got {self.autocast!r}")
+        if self.autocast == "fp16" and torch.device(device).type != "cuda":
+            raise ConfigError(
+                "execution.autocast=fp16 runs the text tower in float16, which needs a GPU (CPUs have no fast float16 "
+                "matrix products, so it would only be slower); this tower runs on the CPU: use execution.autocast=bf16 "
+                "or off, or execution.device=cuda"
+            )
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """Which CLIP to build. `pretrained`: "" (random init, seeded), an open_clip tag, or a file path."""
+    """Which CLIP to build. `pretrained`: "" (random init, seeded), an open_clip tag, or a file path.
+    `fast`: how the text tower runs (not part of `key()`)."""
 
     model: str = "raysim-tiny"
     pretrained: str = ""
     init_seed: int = 0
     cache_dir: str = "~/.cache/raysim"  # where the bundled checkpoint is assembled
+    fast: FastPaths = FastPaths()
 
     def key(self) -> str:
         p = self.pretrained
@@ -271,8 +302,14 @@ class TextTower(nn.Module):
     logit_scale: float
     tokenizer: Any  # open_clip's tokenizer (untyped)
     word_embeddings: nn.Embedding
+    fast: FastPaths = FastPaths()
+    _compiled: Any = None  # torch.compile of `run` when fast.compile
 
     # implemented by CausalTextTower and HFTextTower
+    def run(self, x: Tensor, aux: Tensor | None, index: Tensor) -> Tensor:
+        """The tower after the sequence cut (what autocast and torch.compile wrap)."""
+        raise NotImplementedError
+
     def meta(self, tokens: Tensor) -> Tensor:
         raise NotImplementedError
 
@@ -285,6 +322,29 @@ class TextTower(nn.Module):
 
     def tokenize(self, texts: Sequence[str]) -> Tensor:
         return self.tokenizer(list(texts))
+
+    def set_fast_paths(self, fast: FastPaths, device: str | torch.device) -> None:
+        """Run this tower under `fast` from now on (see FastPaths); raises ConfigError for a combination
+        the device cannot run."""
+        fast.check(device)
+        self.fast = fast
+        self._compiled = None
+        if fast.compile:
+            import torch._functorch.config as functorch_config
+
+            # compiled backward graphs donate their buffers unless told not to, which forbids the
+            # retain_graph=True backward passes of DP-SGD's public term and of the methods' own grads_of
+            functorch_config.donated_buffer = False
+            self._compiled = torch.compile(self.run, backend=fast.compile_backend, dynamic=None)
+
+    def _run_fast(self, x: Tensor, aux: Tensor | None, index: Tensor) -> Tensor:
+        fn = self._compiled if self._compiled is not None else self.run
+        dtype = AUTOCAST[self.fast.autocast]
+        if dtype is None:
+            return fn(x, aux, index)
+        with torch.autocast(device_type=x.device.type, dtype=dtype):
+            out = fn(x, aux, index)
+        return out.float()
 
     @torch.no_grad()
     def embed_tokens(self, tokens: Tensor) -> Tensor:
@@ -354,9 +414,14 @@ class CausalTextTower(TextTower):
         t = int(eot.max().item()) + 1
         x = embeds[:, :t] + self.positional_embedding[:t].to(embeds.dtype)
         mask = self.attn_mask[:t, :t] if self.attn_mask is not None else None
+        return self._run_fast(x, mask, eot.to(x.device))
+
+    def run(self, x: Tensor, mask: Tensor | None, eot: Tensor) -> Tensor:
+        # open_clip's blocks call nn.MultiheadAttention(need_weights=False), i.e. F.scaled_dot_product_attention
+        # with this additive causal mask (README "GPUs": SDPA is already the attention here)
         x = self.transformer(x, attn_mask=mask)
         x = self.ln_final(x)
-        x = x[torch.arange(x.shape[0], device=x.device), eot.to(x.device)]
+        x = x[torch.arange(x.shape[0], device=x.device), eot]
         if isinstance(self.text_projection, nn.Linear):
             return self.text_projection(x)
         return x @ self.text_projection
@@ -399,7 +464,11 @@ class HFTextTower(TextTower):
     def forward(self, embeds: Tensor, mask: Tensor) -> Tensor:
         t = int(mask.sum(-1).max().item())  # padding is masked out: cutting it changes nothing
         mask = mask[:, :t].to(embeds.device)
-        out = self.encoder(inputs_embeds=embeds[:, :t], attention_mask=mask)
+        return self._run_fast(embeds[:, :t], mask, mask)
+
+    def run(self, x: Tensor, mask: Tensor | None, index: Tensor) -> Tensor:
+        # transformers builds the encoder with attn_implementation="sdpa" where torch has it (README "GPUs")
+        out = self.encoder(inputs_embeds=x, attention_mask=mask)
         return self.proj(self.pooler(out, mask))
 
 
@@ -504,6 +573,7 @@ def build_clip_env(spec: ModelSpec, classnames: Sequence[str], n_ctx: int, devic
     map (`TokenHead`; raises ConfigError for a tower it does not know)."""
     clip = load_clip(spec, device="cpu")
     tower = build_text_tower(clip, spec.model).to(device)
+    tower.set_fast_paths(spec.fast, device)
     prompts = CoOpPrompts(tower, classnames, n_ctx, ctx_init).to(device)
     try:
         token_dim = token_site(clip.visual)[2]

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from raysim.models.clip import CausalTextTower, CoOpPrompts
+from raysim.models.clip import AUTOCAST, CausalTextTower, CoOpPrompts
 
 
 def _standard_blocks(tower: Any) -> bool:
@@ -54,9 +54,20 @@ def _merge(x: Tensor) -> Tensor:
 
 
 def stacked_text_features(prompts: CoOpPrompts, ctx: Tensor) -> Tensor:
-    """Normalised text features (A, C, D) of every class for each of the A contexts ctx (A, L, w)."""
-    if not shares_prefix(prompts):
+    """Normalised text features (A, C, D) of every class for each of the A contexts ctx (A, L, w). Under the
+    tower's execution.autocast it runs autocast too; with execution.compile it takes the compiled full forward."""
+    fast = getattr(prompts.tower, "fast", None)
+    if not shares_prefix(prompts) or getattr(fast, "compile", False):
         return prompts.text_features(ctx)
+    dtype = AUTOCAST.get(getattr(fast, "autocast", "off"))
+    if dtype is None:
+        return _shared_prefix(prompts, ctx)
+    with torch.autocast(device_type=ctx.device.type, dtype=dtype):
+        out = _shared_prefix(prompts, ctx, normalize=False)
+    return F.normalize(out.float(), dim=-1)  # as text_features: the tower's output in float32, then normalised
+
+
+def _shared_prefix(prompts: CoOpPrompts, ctx: Tensor, normalize: bool = True) -> Tensor:
     tower = prompts.tower
     assert isinstance(tower, CausalTextTower)  # shares_prefix checked it
     A, C = ctx.shape[0], prompts.num_classes
@@ -98,4 +109,4 @@ def stacked_text_features(prompts: CoOpPrompts, ctx: Tensor) -> Tensor:
     x = tower.ln_final(hs.squeeze(2))  # (A, C, w)
     proj = tower.text_projection
     out = proj(x) if isinstance(proj, nn.Linear) else x @ proj
-    return F.normalize(out, dim=-1)
+    return F.normalize(out, dim=-1) if normalize else out

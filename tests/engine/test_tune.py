@@ -150,3 +150,13 @@ def test_asha_stops_weak_trials_early(ray_session, tmp_path, cache_dir):
     assert len(df) == 4 and df.attrs["num_errors"] == 0
     assert (df["status"] == "stopped").any() and (df["rounds_done"] < 3).any()
     assert (df["rounds_done"] == 3).any()  # the best trial runs to the end
+
+
+def test_trial_grid_gives_each_corner_its_own_nested_value():
+    """The resource check sees every value of a nested space key (dp.epsilon), not the last one for all:
+    a base with a dp section of its own must not be shared between the corners."""
+    from raysim.tune import _trial_grid
+
+    corners = _trial_grid({"dp": {"delta": 1e-5}}, {"dp.epsilon": {"grid_search": [1.0, 2.0, 4.0]}})
+    assert [c["dp"]["epsilon"] for c in corners] == [1.0, 2.0, 4.0]
+    assert all(c["dp"]["delta"] == 1e-5 for c in corners)

@@ -60,6 +60,17 @@ def hosts(cfg, out_dir):
     return data, ServerHost(cfg, data.classnames, out_dir), ClientHost(cfg, data, list(range(cfg.train.num_clients)), out_dir)
 
 
+def upload_round(host, clients, shared):
+    """Round 0's uploads and reports: a `release_first` method uploads from `release` (its `train` then
+    uploads nothing); any other from `train`."""
+    if not host.method.release_first:
+        return host.train(0, clients, shared)
+    uploads, reports = host.release(0, clients, shared)
+    trained, train_reports = host.train(0, clients, shared)
+    assert all(not u.tensors for u in trained)
+    return uploads, reports + train_reports
+
+
 @pytest.mark.parametrize("name", method_names())
 def test_method_conforms(tmp_path, name):
     from raysim.store import StateStore
@@ -67,13 +78,13 @@ def test_method_conforms(tmp_path, name):
     cfg = config(tmp_path, name)
     data, server, host = hosts(cfg, str(tmp_path / "a"))
     shared = server.get_shared()
-    uploads, reports = host.train(0, [0, 1], shared)
+    uploads, reports = upload_round(host, [0, 1], shared)
     declared = set(host.method.releases)
     assert all(set(u.tensors) <= declared for u in uploads)
     assert all(set(r.metrics) <= set(host.method.client_metrics) for r in reports)
     # the same seed gives the same upload (a fresh host replays the round)
     _, _, again = hosts(cfg, str(tmp_path / "b"))
-    uploads2, _ = again.train(0, [0, 1], shared)
+    uploads2, _ = upload_round(again, [0, 1], shared)
     for u, v in zip(uploads, uploads2):
         assert u.tensors.keys() == v.tensors.keys() and all(torch.equal(u.tensors[k], v.tensors[k]) for k in u.tensors)
     # private state round-trips through the store
@@ -111,7 +122,7 @@ def test_dp_is_applied_or_refused_before_anything_is_written(tmp_path, name, lev
         assert main(args) == 2 and not out.exists()
         return
     _, server, host = hosts(cfg, str(tmp_path / "a"))
-    uploads, _ = host.train(0, [0, 1, 2], server.get_shared())  # each upload passed the host's release check
+    uploads, _ = upload_round(host, [0, 1, 2], server.get_shared())  # each upload passed the host's release check
     for u in uploads:
         ledger = host.privacy.ledger(u.client_id)
         private = [k for k in u.tensors if not isinstance(host.privacy.mechanisms[k], Public)]

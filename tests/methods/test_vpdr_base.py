@@ -149,6 +149,128 @@ def test_without_dcr_there_is_no_teacher_and_no_kd(tmp_path, cache_dir, backbone
     assert set(rep[0].metrics) == {"loss", "ce", "proto"}
 
 
+# ------------------------------------------------------------------------------------------ round order
+def _class_means(method, env, private, data):
+    """The clean class means of the client's release features under `private` (what privacy=none uploads)."""
+    feats = method.release_features(env, method.model(env, private), data)
+    counts = torch.bincount(data.y_train, minlength=data.num_classes).float()
+    return torch.zeros(data.num_classes, feats.shape[1]).index_add_(0, data.y_train, feats) / counts.clamp_min(1)[:, None]
+
+
+def test_round_order_is_spec_3_4_release_aggregate_then_train(tmp_path, cache_dir, backbone, monkeypatch):
+    """SPEC 3.4 on the inline backend, privacy=none (so uploads are the clean class means): in every round r
+    each client (a) releases the class means of its model as it was before round r's training (round 0:
+    its untrained adapters), (b) the server aggregates exactly these releases, (d) every client trains with
+    that aggregate of round r, never the previous one; training uploads nothing."""
+    import copy
+
+    from raysim.actors import initial_private, make_method
+    from raysim.backends import InlineBackend
+    from raysim.engine import prepare_data
+    from raysim.methods.hetero import aggregate_prototypes, stack_uploads
+    from raysim.methods.vpdr_base import VPDRMethod
+
+    cfg = build_config(values(tmp_path, cache_dir, "none", backbone=backbone, rounds=3))
+    data = prepare_data(cfg, make_method(cfg).needs(), progress=False)
+    b = InlineBackend(cfg, data, cfg.output.out_dir, -1)
+    assert b.release_first and len(b.hosts) == 2  # num_actors=2: two hosts in this process
+    host_of = {c: h for h in b.hosts for c in h.clients}
+    seen: list[tuple[int, dict]] = []  # (client, the broadcast its training ran with)
+    train = VPDRMethod._local_train
+
+    def recording(self, env, model, shared, private, data, *, rng):
+        seen.append((data.client_id, {k: v.detach().cpu().clone() for k, v in shared.items()}))
+        return train(self, env, model, shared, private, data, rng=rng)
+
+    monkeypatch.setattr(VPDRMethod, "_local_train", recording)
+    aggregate = type(b.server).aggregate
+    got: list[list] = []
+
+    def recording_aggregate(server, round_idx, *upload_lists):
+        got.append([u for lst in upload_lists for u in lst])
+        return aggregate(server, round_idx, *upload_lists)
+
+    monkeypatch.setattr(type(b.server), "aggregate", recording_aggregate)
+    m = b.hosts[0].method
+    before = {c: initial_private(m, host_of[c].env, host_of[c].data[c], cfg.train.seed) for c in range(4)}
+    for r in range(3):
+        seen.clear()
+        reports, stats = b.train_round(r, [0, 1, 2, 3])
+        uploads = sorted(got[-1], key=lambda u: u.client_id)
+        assert [u.client_id for u in uploads] == [0, 1, 2, 3]
+        for u in uploads:  # (a) from the model before this round's training; 1e-5: the same float32 forward, batched alike
+            h = host_of[u.client_id]
+            torch.testing.assert_close(u.tensors["protos"], _class_means(m, h.env, before[u.client_id], h.data[u.client_id]),
+                                       atol=1e-5, rtol=1e-5)
+        P, has = aggregate_prototypes(*stack_uploads(uploads), "samples")
+        assert bool(has.all()) and float(P.abs().sum()) > 0  # round 0 too: prototypes of the untrained adapters
+        assert sorted(c for c, _ in seen) == [0, 1, 2, 3]
+        for _, shared in seen:  # (b)-(d): every client trained with the aggregate of this round's releases
+            assert torch.equal(shared["protos"], b.server.state["protos"]) and torch.equal(shared["has"], b.server.state["has"])
+            torch.testing.assert_close(shared["protos"], P, atol=1e-6, rtol=1e-6)  # the same sums in the same order
+        assert all(math.isfinite(x.loss) and x.bytes_up == uploads[0].nbytes() for x in reports)  # loss of training, bytes of the release
+        assert stats["bytes_up"] == sum(u.nbytes() for u in uploads)
+        before = {c: copy.deepcopy(host_of[c].private[c]) for c in range(4)}  # the models the next round releases from
+
+
+def test_the_audit_attacks_each_release_with_the_model_that_made_it(tmp_path, cache_dir, backbone):
+    """raysim.audit's white-box model for a round-r release of a release_first method is the state the
+    client entered round r with (round 0: its initial model), not its checkpoint after round r's training:
+    with privacy=none the recorded release is exactly that model's class means."""
+    from raysim.audit import RunView
+    from raysim.engine import run
+    from raysim.store import StateStore
+
+    v = values(tmp_path, cache_dir, "none", backbone=backbone, rounds=2)
+    v["output"]["record_uploads"] = True
+    res = run(build_config(v))
+    view = RunView.open(res.out_dir)
+    store = StateStore(str(res.out_dir))
+    for r in (0, 1):
+        record = store.load_uploads(r)
+        for c in range(4):
+            data = view.data.client(c)
+            means = _class_means(view.method, view.env, view.release_state(c, r)["private"], data)
+            # 1e-5: the same float32 forward pass, in the same batches, as the client's release
+            torch.testing.assert_close(record["uploads"][c]["protos"], means, atol=1e-5, rtol=1e-5)
+            after = _class_means(view.method, view.env, view.client_state(c, r)["private"], data)
+            assert not torch.allclose(record["uploads"][c]["protos"], after, atol=1e-5)  # the trained model did not make it
+
+
+@pytest.mark.parametrize("policy,phase", [("drop", "release"), ("drop", "train"), ("fail", "train")])
+def test_a_failed_release_or_training_follows_the_policy_and_the_ledger_tells_the_truth(tmp_path, cache_dir, backbone,
+                                                                                         policy, phase):
+    """Client 2 of a release_first method fails in round 1. Release failed: nothing left it, so it is left out
+    of the aggregate and of training, and its ledger holds round 0's release only. Training failed: its release
+    was aggregated and stays charged, its model stays as before the round. Under fail the run stops naming it."""
+    import flaky_method  # noqa: F401  (registers the test-only flaky_vpdr)
+
+    from raysim.engine import run
+    from raysim.errors import ClientFailure
+    from raysim.privacy.ledger import PrivacyLedger
+    from raysim.store import StateStore
+
+    v = values(tmp_path, cache_dir, "igpp", backbone=backbone, rounds=2)
+    section = v.pop("vpdr_fedproto")
+    v["execution"]["on_client_error"] = policy
+    v.update(method="flaky_vpdr", flaky_vpdr={**section, "client": 2, "round": 1, "phase": phase})
+    if policy == "fail":
+        with pytest.raises(ClientFailure, match="client 2 failed in round 1: RuntimeError: flaky client 2 broke in its train"):
+            run(build_config(v))
+        return
+    res = run(build_config(v))
+    results = rows(res.out_dir / "results.csv")
+    assert [int(r["dropped"]) for r in results] == [0, 1]
+    sent = 3 if phase == "release" else 4  # a failed training comes after the release was sent
+    assert int(results[1]["bytes_up"]) * 4 == int(results[0]["bytes_up"]) * sent
+    store = StateStore(str(res.out_dir))
+    state = store.load_client(2, 1)
+    releases = [r for r in PrivacyLedger.from_dict(state["privacy"]["ledger"]).releases if r.mechanism == "igpp"]
+    assert [r.round for r in releases] == ([0] if phase == "release" else [0, 1])
+    before = store.load_client(2, 0)["private"]["model"]
+    assert all(torch.equal(before[k], state["private"]["model"][k]) for k in before)  # round 1 trained nothing into it
+
+
 # ------------------------------------------------------------------------------------------ end to end
 @pytest.mark.parametrize("privacy", ["none", "igpp", "vpdr"])
 def test_inline_and_ray_give_identical_results(tmp_path, cache_dir, backbone, ray_session, privacy):
