@@ -245,3 +245,20 @@ def test_shared_prefix_features_equal_the_full_forward():
     (full * weights).sum().backward()
     (shared * weights).sum().backward()
     torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=ATOL)
+
+
+def test_shared_prefix_follows_the_towers_fast_paths():
+    """Under execution.autocast=bf16 the stacked forward runs in bf16 as the full one does (agreeing to bf16
+    precision, 3e-2 on unit-norm features: 8 mantissa bits through two layers); with execution.compile it is
+    the (compiled) full forward itself."""
+    from raysim.models.clip import FastPaths, ModelSpec, build_clip_env
+    from raysim.models.shared_prefix import stacked_text_features
+
+    names = ["zero", "one", "guinea pig"]
+    ctx = torch.randn(3, 3, 128, generator=torch.Generator().manual_seed(0)) * 0.5
+    env = build_clip_env(ModelSpec("raysim-tiny", "", fast=FastPaths(autocast="bf16")), names, n_ctx=3)
+    full, shared = env.prompts.text_features(ctx), stacked_text_features(env.prompts, ctx)
+    assert shared.dtype == torch.float32
+    torch.testing.assert_close(shared, full, rtol=0, atol=3e-2)
+    env = build_clip_env(ModelSpec("raysim-tiny", "", fast=FastPaths(compile=True, compile_backend="eager")), names, n_ctx=3)
+    assert torch.equal(stacked_text_features(env.prompts, ctx), env.prompts.text_features(ctx))
