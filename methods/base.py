@@ -173,6 +173,10 @@ class Method:
     client_metrics: ClassVar[tuple[str, ...]] = ("loss",)  # what local_train reports (results.csv train_* columns)
     server_metrics: ClassVar[tuple[str, ...]] = ()  # what aggregate reports in a ServerResult (server_* columns)
     release_first: ClassVar[bool] = False  # True: local_release uploads, the server aggregates, then local_train (uploads nothing)
+    # True when `predictor` reads only `env` and `shared`, never the client's private state or data: every
+    # client predicts with the one global model, so evaluation scores that model once per test row instead
+    # of once per client (the numbers are the same). tests/engine/test_eval_scale.py checks it against behaviour.
+    global_predictor: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -241,6 +245,11 @@ class Method:
         `data` is the client's own data (evaluation runs in the client's host), for methods that adapt
         the model to it before testing (e.g. -FT head fine-tuning)."""
         raise NotImplementedError
+
+    def predicts_globally(self) -> bool:
+        """Whether this instance's predictor is the same for every client (`global_predictor`, unless an
+        option makes it personal, e.g. the -FT methods' head fine-tuning)."""
+        return self.global_predictor
 
     # -- accounting --------------------------------------------------------------------------
     def dp_steps_per_round(self, num_train: int) -> int:

@@ -118,6 +118,11 @@ class Homogeneous:
         return {"client": data.client_id, "arch": self.opts.model.lower(), "rounds": 0}
 
     # -- evaluation -----------------------------------------------------------------------------
+    global_predictor: ClassVar[bool]  # the method's declaration (methods/base.py); -FT makes it personal
+
+    def predicts_globally(self) -> bool:
+        return self.global_predictor and self.opts.finetune_epochs == 0
+
     def predictor(self, env: HtEnv, shared: dict[str, Tensor], private: dict[str, Any], data: Optional[ClientData] = None):
         model = self.global_model(env, shared["weights"]).eval()
         head: nn.Module = model.head
@@ -186,6 +191,7 @@ class FedAvg(Homogeneous, HeteroMethod):
     name = "fedavg"
     Options = Options
     releases = {"weights": update()}  # the whole trained model: private only as a user-level update (dp.level=client)
+    global_predictor = True  # every client evaluates the global model w (unless finetune_epochs > 0)
 
     def init_shared(self, env: HtEnv, rng: torch.Generator) -> dict[str, Tensor]:
         return {"weights": self.init_weights(env, rng)}

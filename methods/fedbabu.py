@@ -51,6 +51,7 @@ class FedBABU(Homogeneous, HeteroMethod):
     name = "fedbabu"
     Options = Options
     releases = {"body": update()}  # the trained body: private only as a user-level update (dp.level=client)
+    global_predictor = True  # every client evaluates the global body and head (unless finetune_epochs > 0)
 
     # -- server half ----------------------------------------------------------------------------
     def init_shared(self, env: HtEnv, rng: torch.Generator) -> dict[str, Tensor]:

@@ -104,6 +104,7 @@ class FedETF(Homogeneous, HeteroMethod):
     name = "fedetf"
     Options = Options
     releases = {"weights": update(), "beta": update()}  # the trained model and temperature (dp.level=client)
+    global_predictor = True  # every client evaluates the global model (unless finetune_epochs > 0: FedETF-Per)
 
     def proj_dim(self, env: HtEnv) -> int:
         return int(self.opts.proj_dim or env.num_classes)

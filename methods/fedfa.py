@@ -89,6 +89,7 @@ class FedFA(Homogeneous, HeteroMethod):
     name = "fedfa"
     Options = Options
     releases = {"weights": update(), "anchors": update()}  # user-level updates of the broadcast (dp.level=client)
+    global_predictor = True  # every client evaluates the global model (unless finetune_epochs > 0)
     client_metrics = ("loss", "ce", "anchor", "calib")
 
     def init_shared(self, env: HtEnv, rng: torch.Generator) -> dict[str, Tensor]:

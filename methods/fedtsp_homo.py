@@ -50,6 +50,7 @@ class FedTSPGFL(Homogeneous, FedTSP):
     name = "fedtsp_gfl"
     Options = Options
     releases = {**FedTSP.releases, "weights": update()}
+    global_predictor = True  # GFL: every client evaluates w (unless finetune_epochs > 0)
 
     # -- server half: FedTSP's, plus FedAvg of the model -----------------------------------------
     def init_shared(self, env: TSPEnv, rng: torch.Generator) -> dict[str, Tensor]:

@@ -18,6 +18,7 @@ from raysim.privacy.mechanisms import dpsgd
 class PromptFL(ClipPromptMethod):
     name = "promptfl"
     releases = {"ctx": dpsgd()}
+    global_predictor = True  # every client predicts with the broadcast context
     supports_ctx_init = True
     batched_context = "ctx"  # local_train below is ClipPromptMethod's stackable step: the host may batch clients
 

@@ -257,14 +257,35 @@ class ClientHost:
         return "", result
 
     @torch.no_grad()
-    def evaluate(self, shared: dict[str, torch.Tensor], client_ids: Optional[list[int]] = None) -> list[dict[str, Any]]:
-        """Each client's model (the method's predictor) scored by the run's evaluation protocol."""
+    def evaluate(self, shared: dict[str, torch.Tensor], client_ids: Optional[list[int]] = None,
+                 among: Optional[list[int]] = None) -> list[dict[str, Any]]:
+        """Each of `client_ids`' models (the method's predictor; default: every client here) scored by the
+        run's evaluation protocol, among the evaluated clients `among` (None: all clients; a client's
+        Cross-Client accuracy is on the other evaluated clients' test splits)."""
         shared = {k: v.to(self.device) for k, v in shared.items()}
         out = []
         for cid in sorted(client_ids if client_ids is not None else self.clients):
             predict = self.method.predictor(self.env, shared, self._private(cid), self.data[cid])
-            out.append({"client": cid, **self.protocol.score(cid, predict), "epsilon": self.epsilon(cid)})
+            out.append({"client": cid, **self.protocol.score(cid, predict, among), "epsilon": self.epsilon(cid)})
         return out
+
+    @torch.no_grad()
+    def global_hits(self, shared: dict[str, torch.Tensor], among: Optional[list[int]] = None, part: int = 0, parts: int = 1) -> Any:
+        """For a method whose predictor is every client's (Method.predicts_globally): that one model's hits
+        on part `part` of `parts` of the test rows the evaluated clients' scores read (cut at eval batch
+        boundaries, so the parts' batches are the whole's). Scored per client by `score_hits`."""
+        from raysim.evaluation import block_part
+
+        shared = {k: v.to(self.device) for k, v in shared.items()}
+        c0 = self.clients[0]  # any client: the declaration says its state and data do not enter the predictor
+        predict = self.method.predictor(self.env, shared, self._private(c0), self.data[c0])
+        rows = block_part(self.protocol.rows(among), part, parts, self.protocol.batch_size)
+        return self.protocol.hits(predict, rows)
+
+    def score_hits(self, hits: Any, client_ids: list[int]) -> list[dict[str, Any]]:
+        """The evaluation rows of `client_ids` from the global model's hits (`global_hits`, all parts merged)."""
+        cids = sorted(client_ids)
+        return [{"client": c, **row, "epsilon": self.epsilon(c)} for c, row in zip(cids, self.protocol.score_many(cids, hits))]
 
     def commit(self, round_idx: int) -> None:
         """Write the private state of every client that changed this round, then drop stale versions."""

@@ -13,11 +13,12 @@ not train. Reports carry the training's loss and metrics and the release's bytes
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
-from raysim.actors import ClientHost, ClientReport, FederationData, ServerHost, check_round, merge_phases
+from raysim.actors import ClientHost, ClientReport, FederationData, ServerHost, check_round, make_method, merge_phases
 from raysim.cluster import init_ray, plan_hosts
 from raysim.config import RunConfig
+from raysim.evaluation import merge_hits
 from raysim.methods import get_method
 
 log = logging.getLogger(__name__)
@@ -35,8 +36,9 @@ class Backend(Protocol):
     def train_round(self, round_idx: int, participants: list[int]) -> tuple[list[ClientReport], dict[str, Any]]:
         """Train the round's participants and aggregate their uploads: (reports in client order, server stats)."""
 
-    def evaluate(self) -> list[dict[str, Any]]:
-        """Every client's evaluation rows against the current shared state, in client order."""
+    def evaluate(self, clients: Optional[list[int]] = None) -> list[dict[str, Any]]:
+        """The evaluation rows of `clients` (None: every client) against the current shared state, among
+        them (raysim.evaluation), in client order."""
 
     def commit(self, round_idx: int) -> None:
         """Checkpoint the server's and every client's state as of the end of `round_idx`."""
@@ -54,6 +56,7 @@ class InlineBackend:
         self.server = ServerHost(cfg, data.classnames, out_dir, resume_round)
         self.hosts = [ClientHost(cfg, data, g, out_dir, resume_round) for g in self.groups]
         self.release_first = bool(get_method(cfg.method).release_first)
+        self.global_eval = make_method(cfg).predicts_globally()
         self.info = {"backend": "inline", "hosts": len(self.hosts)}
 
     def train_round(self, round_idx: int, participants: list[int]) -> tuple[list[ClientReport], dict[str, Any]]:
@@ -81,9 +84,15 @@ class InlineBackend:
         check_round(self.cfg, round_idx, reports)
         return reports, stats
 
-    def evaluate(self) -> list[dict[str, Any]]:
+    def evaluate(self, clients: Optional[list[int]] = None) -> list[dict[str, Any]]:
         shared = self.server.get_shared()
-        return sorted((row for h in self.hosts for row in h.evaluate(shared)), key=lambda r: r["client"])
+        mine = host_clients(self.groups, clients)
+        if self.global_eval:  # one model for all: its hits once (here, one process: on the first host)
+            hits = self.hosts[0].global_hits(shared, clients)
+            rows = [row for i in sorted(mine) for row in self.hosts[i].score_hits(hits, mine[i])]
+        else:
+            rows = [row for i in sorted(mine) for row in self.hosts[i].evaluate(shared, mine[i], clients)]
+        return sorted(rows, key=lambda r: r["client"])
 
     def commit(self, round_idx: int) -> None:
         self.server.commit(round_idx)
@@ -116,6 +125,7 @@ class RayBackend:
         self.client_opts = dict(num_cpus=cfg.execution.client_cpus, num_gpus=client_gpus)
         self.server = self._new_server(resume_round)
         self.hosts = [self._new_host(g, resume_round) for g in self.groups]
+        self.global_eval = make_method(cfg).predicts_globally()
         self.restarts = 0
         self.release_first = bool(get_method(cfg.method).release_first)
         self._round: dict[str, Any] = {}  # this round's inputs, kept until commit (to replay it on a new actor)
@@ -227,13 +237,25 @@ class RayBackend:
                 self.ray.get(self.server.aggregate.remote(self._round["round"], *self._round["uploads"]))
             return self._server_call(call, aggregated=aggregated)
 
-    def evaluate(self) -> list[dict[str, Any]]:
+    def evaluate(self, clients: Optional[list[int]] = None) -> list[dict[str, Any]]:
         shared_ref = self.ray.put(self._server_call(lambda: self.server.get_shared.remote(), aggregated=True))
+        mine = host_clients(self.groups, clients)
+        if self.global_eval:  # one model for all: every host scores a part of the rows, each client is scored from them
+            parts = len(self.hosts)
 
-        def submit(i: int):
-            return self.hosts[i].evaluate.remote(shared_ref)
+            def submit_part(i: int):
+                return self.hosts[i].global_hits.remote(shared_ref, clients, i, parts)
 
-        rows = self._get_each({i: submit(i) for i in range(len(self.hosts))}, submit)
+            got = self._get_each({i: submit_part(i) for i in range(parts)}, submit_part)
+            hits_ref = self.ray.put(merge_hits([got[i] for i in range(parts)]))
+
+            def submit(i: int):
+                return self.hosts[i].score_hits.remote(hits_ref, mine[i])
+        else:
+            def submit(i: int):
+                return self.hosts[i].evaluate.remote(shared_ref, mine[i], clients)
+
+        rows = self._get_each({i: submit(i) for i in mine}, submit)
         return sorted((row for i in rows for row in rows[i]), key=lambda r: r["client"])
 
     def commit(self, round_idx: int) -> None:
@@ -252,6 +274,13 @@ class RayBackend:
                 pass
         if self.started_ray:
             self.ray.shutdown()
+
+
+def host_clients(groups: list[list[int]], clients: Optional[list[int]]) -> dict[int, list[int]]:
+    """{host index: its clients among `clients` (None: all)}, hosts without any left out."""
+    chosen = None if clients is None else set(clients)
+    mine = {i: [c for c in g if chosen is None or c in chosen] for i, g in enumerate(groups)}
+    return {i: m for i, m in mine.items() if m}
 
 
 BACKENDS: dict[str, type[Backend]] = {"inline": InlineBackend, "ray": RayBackend}

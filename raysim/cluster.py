@@ -1,5 +1,6 @@
-"""The Ray cluster a run uses: starting or joining it (`init_ray`), and how its clients are grouped onto
-client hosts (`plan_hosts`), for the inline backend, the Ray backend and Tune's trial reservations alike.
+"""The Ray cluster a run uses: starting or joining it (`init_ray`, which reuses a cluster `ray start --head`
+runs on this machine), and how its clients are grouped onto client hosts (`plan_hosts`), for the inline
+backend, the Ray backend and Tune's trial reservations alike.
 
 Light on purpose (Ray is imported only inside `init_ray`), so the sweep front door can use it too.
 """
@@ -71,10 +72,30 @@ def _quiet_auth_notice() -> Iterator[None]:
         logger.removeFilter(quiet)
 
 
+# A local cluster raysim starts runs only actors (client and server hosts, Tune trials), each in a worker
+# process of its own; the Python workers Ray prestarts (one per CPU, for tasks) are never used by them and only
+# compete with the actors' start-up (imports, model builds) for the CPUs (benchmarks/startup.py).
+LOCAL_SYSTEM_CONFIG: dict[str, Any] = {"prestart_worker_first_driver": False, "enable_worker_prestart": False}
+
+
+def running_local_cluster() -> str:
+    """The GCS address of the cluster `ray start --head` runs on this machine (the address Ray records in
+    its ray_current_cluster file, with a GCS process alive at it), or "" when none is up."""
+    try:
+        from ray._private import services
+
+        recorded = services.find_bootstrap_address(None)
+        return recorded if recorded and recorded in services.find_gcs_addresses() else ""
+    except Exception:  # private Ray API: any change there just means no reuse
+        return ""
+
+
 def init_ray(address: str = "", *, num_cpus: int | None = None, log_to_driver: bool = True) -> bool:
-    """Start a local Ray cluster (`address` "", with `num_cpus`, default: every core here) or join one
-    ("auto" on a node of a running cluster, or HOST:PORT). Returns True when this call started or joined
-    Ray (the caller shuts it down when done), False when Ray was already up in this process.
+    """Join or start Ray. `address` "" joins the cluster `ray start --head` runs on this machine when one
+    is up (or RAY_ADDRESS's, when set), else starts a local cluster with `num_cpus` (default: every core
+    here); "local" (or an explicit `num_cpus`) always starts a new local cluster; "auto" or HOST:PORT joins
+    that cluster. Returns True when this call started or joined Ray (the caller shuts it down when done:
+    for a joined cluster that only disconnects), False when Ray was already up in this process.
 
     A cluster that cannot be reached (a wrong address, or one that wants a token this driver lacks) ends
     with one ConfigError saying what to check, not Ray's traceback."""
@@ -83,9 +104,21 @@ def init_ray(address: str = "", *, num_cpus: int | None = None, log_to_driver: b
     if ray.is_initialized():
         return False
     kwargs: dict[str, Any] = dict(include_dashboard=False, configure_logging=False, log_to_driver=log_to_driver)
+    found = "" if address or num_cpus is not None else os.environ.get("RAY_ADDRESS", "") or running_local_cluster()
     with _quiet_auth_notice():
-        if not address:
-            ray.init(num_cpus=num_cpus or os.cpu_count(), **kwargs)
+        if found:  # as Ray finds it (RAY_ADDRESS, else the recorded local cluster, whose token Ray then uses)
+            log.info("joining the running Ray cluster at %s (execution.address=local starts a new one)", found)
+            try:
+                ray.init(**kwargs)
+                return True
+            except ConnectionError as e:
+                if os.environ.get("RAY_ADDRESS"):
+                    raise ConfigError(f"could not connect to the Ray cluster at RAY_ADDRESS={found} ({e}); unset RAY_ADDRESS "
+                                      "or fix it (with token authentication: RAY_AUTH_MODE=token, see clusters/README.md)") from None
+                log.warning("could not join the local Ray cluster at %s (%s); starting a new one", found, e)
+        if not address or address == "local":
+            system = dict(LOCAL_SYSTEM_CONFIG)  # a copy: Ray writes into the dict it gets
+            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), _system_config=system, **kwargs)
             return True
         try:
             ray.init(address=address, **kwargs)

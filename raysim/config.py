@@ -91,6 +91,9 @@ class EvalConfig:
     every: int = 5
     last: int = 5
     batch_size: int = 512
+    # clients evaluated per evaluated round: 0 = all; N = a sample of N clients drawn once from train.seed (the
+    # same every round); a sampled client's Cross-Client accuracy is on the other sampled clients' test splits
+    clients: int = 0
 
 
 @dataclass
@@ -109,7 +112,9 @@ class ExecutionConfig:
     device: str = field(default="auto", metadata=RESUMABLE)  # auto | cpu | cuda
     autocast: str = "off"  # off | bf16 | fp16: the frozen text tower under torch.autocast (fp16 needs CUDA)
     compile: bool = False  # torch.compile the text tower's forward (refused with DP-SGD: see README "GPUs")
-    address: str = field(default="", metadata=RESUMABLE)  # join an existing Ray cluster ("auto" on a `ray up` head)
+    # "" = join the cluster `ray start --head` runs on this machine when one is up, else start one here;
+    # "local" = always start a new one here; "auto" (on a node of a running cluster) or HOST:PORT = join that one
+    address: str = field(default="", metadata=RESUMABLE)
     max_actor_restarts: int = field(default=3, metadata=RESUMABLE)  # actors replaced after a crash, per run
     # client failures: a client whose local training raises, uploads a non-finite tensor or takes longer
     # than client_timeout seconds (0 = no limit) stops the run (fail) or is left out of its round (drop);
@@ -143,7 +148,7 @@ SECTIONS: dict[str, type] = {
 
 # the flat keys of the previous release -> their place now (accepted with a deprecation message)
 RENAMED = {"model": "model.name", "pretrained": "model.pretrained", "evaluation": "eval.protocol",
-           "eval_every": "eval.every", "eval_last": "eval.last", "test_batch_size": "eval.batch_size"}
+           "eval_every": "eval.every", "eval_last": "eval.last", "eval_clients": "eval.clients", "test_batch_size": "eval.batch_size"}
 for _section, _cls in SECTIONS.items():
     if _section in ("model", "eval", "dp"):
         continue
@@ -398,7 +403,7 @@ def validate(cfg: RunConfig) -> None:
     cfg.method = cfg.method.lower()
     _validate_data(cfg.data)
     _validate_train(cfg.train)
-    _validate_eval(cfg.eval)
+    _validate_eval(cfg.eval, cfg.train)
     _validate_execution(cfg.execution, cfg.train)
     _validate_dp(cfg.dp)
     _check(not (cfg.execution.compile and cfg.dp.enabled and cfg.dp.level == "sample"),
@@ -443,9 +448,12 @@ def _validate_train(t: TrainConfig) -> None:
     _check(t.seed >= 0, f"train.seed must be >= 0, got {t.seed}")
 
 
-def _validate_eval(e: EvalConfig) -> None:
+def _validate_eval(e: EvalConfig, t: TrainConfig) -> None:
     from raysim.evaluation import PROTOCOLS
 
+    _check(0 <= e.clients <= t.num_clients,
+           f"eval.clients is how many clients are evaluated per evaluated round: 0 (all) up to train.num_clients="
+           f"{t.num_clients}; got {e.clients}")
     _check(e.protocol in PROTOCOLS, f"eval.protocol must be one of {', '.join(PROTOCOLS.names())}, got {e.protocol!r}")
     _check(e.batch_size >= 1, f"eval.batch_size must be >= 1, got {e.batch_size}")
     _check(e.every >= 1 and e.last >= 0, "eval.every must be >= 1 and eval.last >= 0")

@@ -20,7 +20,7 @@ from raysim.config import RunConfig, build_config, load_yaml
 from raysim.data.federation import FederationData
 from raysim.errors import ConfigError, RunFolderLocked
 from raysim.metrics import RunLogger, harmonic_mean, summary_table
-from raysim.sampling import participants
+from raysim.sampling import eval_clients, participants
 from raysim.store import LOCK_NAME, RunLock, StateStore
 
 log = logging.getLogger(__name__)
@@ -307,8 +307,9 @@ def _one_round(
         log.warning("round %d: client %d dropped (on_client_error=drop): %s", r, x.client_id, x.error)
     client_rows: list[dict[str, Any]] = []
     acc_in = acc_cross = hm = math.nan
-    if evaluate:
-        client_rows = [{"round": r, **row} for row in backend.evaluate()]
+    if evaluate:  # all clients, or eval.clients of them: the same seeded sample every evaluated round
+        sample = eval_clients(cfg.train.seed, cfg.train.num_clients, cfg.eval.clients)
+        client_rows = [{"round": r, **row} for row in backend.evaluate(None if len(sample) == cfg.train.num_clients else sample)]
         acc_in = mean_of_defined([c["in_client"] for c in client_rows])
         acc_cross = mean_of_defined([c["cross_client"] for c in client_rows])  # nan with one client
         hm = harmonic_mean(acc_in, acc_cross)
@@ -326,6 +327,7 @@ def _one_round(
         "epsilon_max": float(max(eps)) if eps and all(math.isfinite(e) for e in eps) else math.nan,
         "participants": len(part),
         "dropped": len(dropped),
+        "eval_clients": len(client_rows) if evaluate else math.nan,
         "seconds": time.perf_counter() - t0,
         **round_metrics(reports, stats.get("server_metrics", {}), extra),
     }
@@ -340,5 +342,10 @@ def _finish(cfg: RunConfig, out_dir: Path, logger: RunLogger, hparams: dict[str,
     summary = protocol.summarize(out_dir, last=max(1, cfg.eval.last))
     logger.close(final_metrics=summary, hparams=hparams)
     title = f"{cfg.method} on {cfg.data.dataset} ({cfg.data.partition}, {cfg.train.num_clients} clients)"
-    (out_dir / "summary.md").write_text(protocol.markdown(cfg.method, summary, title=title))
-    return RunResult(out_dir, summary, rows, info)
+    evaluated = len(eval_clients(cfg.train.seed, cfg.train.num_clients, cfg.eval.clients))
+    sampled = (f"a sample of {evaluated} of the {cfg.train.num_clients} clients (eval.clients={cfg.eval.clients}, drawn once from "
+               f"train.seed={cfg.train.seed}), each scored among the sampled clients" if evaluated < cfg.train.num_clients
+               else f"all {evaluated} clients")
+    text = protocol.markdown(cfg.method, summary, title=title) + f"Evaluated per evaluated round: {sampled}.\n"
+    (out_dir / "summary.md").write_text(text)
+    return RunResult(out_dir, summary, rows, {**info, "eval_clients": evaluated})

@@ -16,8 +16,9 @@ from __future__ import annotations
 import csv
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -27,14 +28,72 @@ from raysim.data.federation import FederationData, as_tensor
 from raysim.registry import Registry
 
 
+@dataclass
+class Hits:
+    """One model's per-row hits on some of a protocol's test rows: `rows` (sorted row ids), and whether
+    the top-1 / top-5 prediction on each was right."""
+
+    rows: np.ndarray
+    top1: np.ndarray
+    top5: np.ndarray
+
+    def part(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(top1, top5) on `rows` (each must be among self.rows; duplicates and any order allowed)."""
+        pos = np.minimum(np.searchsorted(self.rows, rows), max(0, len(self.rows) - 1))
+        if len(rows) and not np.array_equal(self.rows[pos], rows):
+            raise ValueError("these hits do not cover every row asked for")
+        return self.top1[pos], self.top5[pos]
+
+
+def merge_hits(parts: Sequence[Hits]) -> Hits:
+    """The hits of disjoint parts of the rows, as one (rows sorted)."""
+    rows = np.concatenate([p.rows for p in parts])
+    order = np.argsort(rows, kind="stable")
+    return Hits(rows[order], np.concatenate([p.top1 for p in parts])[order], np.concatenate([p.top5 for p in parts])[order])
+
+
+def block_part(rows: np.ndarray, part: int, parts: int, block: int) -> np.ndarray:
+    """Part `part` of `parts` of `rows`, cut at multiples of `block` (the eval batch size), so that every
+    batch a part scores is a batch the whole would score: the same inputs, the same logits."""
+    blocks = -(-len(rows) // block)
+    lo, hi = (blocks * part) // parts, (blocks * (part + 1)) // parts
+    return rows[lo * block : hi * block]
+
+
 class Protocol:
+    """How a client's model is scored. A client's score reads the hits of its model on some test rows
+    (`client_rows`), which depend on which clients are evaluated this round (`among`, None = all);
+    `rows(among)` is the union over the evaluated clients. `score` runs one client's predictor on its
+    rows; a method whose predictor is the same for every client (Method.predicts_globally) has its hits
+    computed once on `rows(among)` and every client scored from them with `score_hits`, which gives the
+    same numbers."""
+
     name = ""
 
     def __init__(self, data: FederationData, *, batch_size: int) -> None:
         self.batch_size = batch_size
 
-    def score(self, client_id: int, predict: Callable[..., Tensor]) -> dict[str, Any]:
+    def rows(self, among: Optional[Sequence[int]] = None) -> np.ndarray:
+        """Sorted ids of the test rows any evaluated client's score reads."""
         raise NotImplementedError
+
+    def client_rows(self, client_id: int, among: Optional[Sequence[int]] = None) -> np.ndarray:
+        """Sorted ids of the test rows client `client_id`'s score reads (default: all of `rows(among)`)."""
+        return self.rows(among)
+
+    def hits(self, predict: Callable[..., Tensor], rows: np.ndarray) -> Hits:
+        raise NotImplementedError
+
+    def score_hits(self, client_id: int, hits: Hits) -> dict[str, Any]:
+        """The client's numbers from its model's hits on `rows(among)` (or on its `client_rows` alone)."""
+        raise NotImplementedError
+
+    def score_many(self, client_ids: Sequence[int], hits: Hits) -> list[dict[str, Any]]:
+        """`score_hits` of each of `client_ids` from one model's hits (a protocol may do it in one pass)."""
+        return [self.score_hits(c, hits) for c in client_ids]
+
+    def score(self, client_id: int, predict: Callable[..., Tensor], among: Optional[Sequence[int]] = None) -> dict[str, Any]:
+        return self.score_hits(client_id, self.hits(predict, self.client_rows(client_id, among)))
 
     # -- a finished run's numbers ---------------------------------------------------------------
     @classmethod
@@ -77,22 +136,36 @@ class InCross(Protocol):
         self.x, self.y = xte[rows], yte[rows]
         self.tokens = None if tte is None else tte[rows]
         self.owner = owner[used]
+        self._rows: tuple[Any, np.ndarray] = (None, np.arange(len(self.owner)))
 
-    def hits(self, predict: Callable[..., Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    def rows(self, among: Optional[Sequence[int]] = None) -> np.ndarray:
+        """All rows of the evaluated clients' test splits: a client's In-Client rows are its own, its
+        Cross-Client rows the other evaluated clients' (all other clients' when every client is evaluated)."""
+        key = None if among is None else tuple(int(c) for c in among)
+        if self._rows[0] != key:  # one set of evaluated clients per run (eval.clients): computed once
+            self._rows = (key, np.arange(len(self.owner)) if key is None else np.flatnonzero(np.isin(self.owner, np.asarray(key))))
+        return self._rows[1]
+
+    def hits(self, predict: Callable[..., Tensor], rows: np.ndarray) -> Hits:
         bs = self.batch_size
-        top1, top5 = [], []
-        for i in range(0, len(self.y), bs):
-            inputs = (self.x[i : i + bs],) + (() if self.tokens is None else (self.tokens[i : i + bs],))
+        whole = len(rows) == len(self.owner)  # all rows (sorted, unique): slices, no gather
+
+        def take(a: Tensor, i: int) -> Tensor:
+            return a[i : i + bs] if whole else a[torch.as_tensor(rows[i : i + bs])]
+
+        top1, top5 = [torch.zeros(0, dtype=torch.bool)], [torch.zeros(0, dtype=torch.bool)]
+        for i in range(0, len(rows), bs):
+            inputs = (take(self.x, i),) + (() if self.tokens is None else (take(self.tokens, i),))
             logits = predict(*inputs).float().cpu()
-            y = self.y[i : i + bs]
+            y = take(self.y, i)
             top1.append(logits.argmax(-1) == y)
             k = min(5, logits.shape[-1])
             top5.append((logits.topk(k, dim=-1).indices == y[:, None]).any(-1))
-        return torch.cat(top1).numpy(), torch.cat(top5).numpy()
+        return Hits(np.asarray(rows), torch.cat(top1).numpy(), torch.cat(top5).numpy())
 
-    def score(self, client_id: int, predict: Callable[..., Tensor]) -> dict[str, Any]:
-        correct, correct5 = self.hits(predict)
-        own = self.owner == client_id
+    def score_hits(self, client_id: int, hits: Hits) -> dict[str, Any]:
+        correct, correct5 = hits.top1, hits.top5
+        own = self.owner[hits.rows] == client_id
 
         def acc(mask: np.ndarray, hits: np.ndarray) -> float:
             return float(hits[mask].mean()) if mask.any() else math.nan
@@ -105,6 +178,30 @@ class InCross(Protocol):
             "n_in": int(own.sum()),
             "n_cross": int((~own).sum()),
         }
+
+    def score_many(self, client_ids: Sequence[int], hits: Hits) -> list[dict[str, Any]]:
+        """As score_hits for each client, from per-owner hit counts (one pass over the rows, not one per
+        client): In = own hits / own rows, Cross = (all hits - own hits) / (all rows - own rows)."""
+        owner = self.owner[hits.rows]
+        size = int(owner.max()) + 1 if len(owner) else 0
+        n = np.bincount(owner, minlength=size)
+        h1 = np.bincount(owner, weights=hits.top1, minlength=size)
+        h5 = np.bincount(owner, weights=hits.top5, minlength=size)
+        total, t1, t5 = int(n.sum()), float(h1.sum()), float(h5.sum())
+        out = []
+        for c in client_ids:
+            n_in = int(n[c]) if c < size else 0
+            a1, a5 = (float(h1[c]), float(h5[c])) if c < size else (0.0, 0.0)
+            n_cross = total - n_in
+            out.append({
+                "in_client": a1 / n_in if n_in else math.nan,
+                "cross_client": (t1 - a1) / n_cross if n_cross else math.nan,
+                "in_top5": a5 / n_in if n_in else math.nan,
+                "cross_top5": (t5 - a5) / n_cross if n_cross else math.nan,
+                "n_in": n_in,
+                "n_cross": n_cross,
+            })
+        return out
 
 
 # ------------------------------------------------------------------------------------ FedTSP's protocol
@@ -207,19 +304,32 @@ class VPDRProtocol(Protocol):
         self.test_idx = [as_tensor(np.asarray(t, dtype=np.int64)) for t in data.test_idx]
         self.domains = list(data.client_domains) if data.client_domains else [""] * len(data.test_idx)
 
-    def score(self, client_id: int, predict: Callable[..., Tensor]) -> dict[str, Any]:
-        idx = self.test_idx[client_id]
-        top1 = top5 = 0
-        for i in range(0, len(idx), self.batch_size):
-            rows = idx[i : i + self.batch_size]
-            logits = predict(self.x[rows]).float().cpu()
-            y = self.y[rows]
-            top1 += int((logits.argmax(-1) == y).sum())
+    def rows(self, among: Optional[Sequence[int]] = None) -> np.ndarray:
+        """The evaluated clients' own test rows."""
+        which = range(len(self.test_idx)) if among is None else among
+        parts = [self.test_idx[c].numpy() for c in which]
+        return np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+
+    def client_rows(self, client_id: int, among: Optional[Sequence[int]] = None) -> np.ndarray:
+        return np.unique(self.test_idx[client_id].numpy())
+
+    def hits(self, predict: Callable[..., Tensor], rows: np.ndarray) -> Hits:
+        top1, top5 = [torch.zeros(0, dtype=torch.bool)], [torch.zeros(0, dtype=torch.bool)]
+        for i in range(0, len(rows), self.batch_size):
+            batch = torch.as_tensor(rows[i : i + self.batch_size])
+            logits = predict(self.x[batch]).float().cpu()
+            y = self.y[batch]
+            top1.append(logits.argmax(-1) == y)
             k = min(5, logits.shape[-1])
-            top5 += int((logits.topk(k, dim=-1).indices == y[:, None]).any(-1).sum())
-        n = len(idx)
-        return {"in_client": top1 / n if n else math.nan, "cross_client": math.nan, "in_top5": top5 / n if n else math.nan,
-                "cross_top5": math.nan, "n_in": n, "n_cross": 0, "domain": self.domains[client_id]}
+            top5.append((logits.topk(k, dim=-1).indices == y[:, None]).any(-1))
+        return Hits(np.asarray(rows), torch.cat(top1).numpy(), torch.cat(top5).numpy())
+
+    def score_hits(self, client_id: int, hits: Hits) -> dict[str, Any]:
+        top1, top5 = hits.part(self.test_idx[client_id].numpy())  # every row of its split, as often as it is listed
+        n = len(top1)
+        return {"in_client": float(top1.mean()) if n else math.nan, "cross_client": math.nan,
+                "in_top5": float(top5.mean()) if n else math.nan, "cross_top5": math.nan, "n_in": n, "n_cross": 0,
+                "domain": self.domains[client_id]}
 
     @classmethod
     def summarize(cls, run_dir: str | Path, *, last: int = 5) -> dict[str, float]:

@@ -22,6 +22,7 @@ ROUND_COLUMNS = [
     "epsilon_max",
     "participants",
     "dropped",
+    "eval_clients",  # clients evaluated in the round (eval.clients; empty on rounds without evaluation)
     "seconds",
 ]
 CLIENT_COLUMNS = ["round", "client", "in_client", "cross_client", "in_top5", "cross_top5", "n_in", "n_cross", "epsilon", "domain"]

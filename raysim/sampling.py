@@ -23,6 +23,16 @@ def participants(seed: int, round_idx: int, num_clients: int, participation: flo
     return sorted(int(c) for c in rng.choice(num_clients, size=m, replace=False))
 
 
+def eval_clients(seed: int, num_clients: int, n: int) -> list[int]:
+    """The clients evaluated in every evaluated round: all of them for n = 0 or n >= num_clients, else n
+    drawn once without replacement from the run seed's own "eval-clients" stream, sorted. The same sample
+    every round, whatever the backend, the number of hosts or a resume."""
+    if n <= 0 or n >= num_clients:
+        return list(range(num_clients))
+    rng = np.random.default_rng(stream_seed(seed, "eval-clients"))
+    return sorted(int(c) for c in rng.choice(num_clients, size=n, replace=False))
+
+
 def schedule(seed: int, rounds: int, num_clients: int, participation: float) -> list[list[int]]:
     return [participants(seed, r, num_clients, participation) for r in range(rounds)]
 
