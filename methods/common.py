@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Iterable, Sequence, TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from raysim.methods.base import EnvSpec, Method, Upload
+from raysim.methods.base import ClientData, EnvSpec, LocalResult, Method, Upload
 
 ParamOrGroup = TypeVar("ParamOrGroup", Tensor, dict[str, Any])  # what torch.optim takes: tensors, or param groups
 
@@ -27,6 +28,16 @@ def sgd(params: Iterable[ParamOrGroup], train, **overrides) -> torch.optim.Optim
     kw = dict(lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
     kw.update(overrides)
     return torch.optim.SGD(list(params), **kw)
+
+
+@dataclass
+class ClientJob:
+    """One client of a client-batched round (`ClipPromptMethod.batched_local_train`): what its `local_train`
+    would receive besides env, shared and privacy."""
+
+    private: dict[str, Any]
+    data: ClientData
+    rng: torch.Generator
 
 
 @dataclass
@@ -65,3 +76,48 @@ class ClipPromptMethod(Method):
         from raysim.errors import ConfigError
 
         raise ConfigError(f"{self.name} does not declare loss_parts, so gradient inversion cannot attack it")
+
+    # -- client-batched local training (execution.batch_clients; the host's side is raysim/batched.py) ------
+    # A method whose `local_train` is exactly "SGD from the broadcast value of its one uploaded context by CE on
+    # s <v(x), t_c(ctx)>, the batches drawn from rng and nothing else, private state untouched" (PromptFL) names
+    # that upload here; the host may then train the clients it holds in one stack with `batched_local_train`.
+    batched_context: ClassVar[str] = ""
+
+    def supports_batching(self) -> bool:
+        """True when `batched_local_train` is this method's local_train, stacked: `batched_context` is set by the
+        class that also defines `local_train` (a subclass that overrides local_train trains client by client)."""
+        if not self.batched_context:
+            return False
+        owner = next(c for c in type(self).__mro__ if "batched_context" in vars(c))
+        return type(self).local_train is vars(owner).get("local_train")
+
+    def batched_local_train(self, env, shared: dict[str, Tensor], jobs: Sequence[ClientJob], *, privacy) -> list[LocalResult]:
+        """`local_train` of several clients at once. Each client k has its own context ctx_k (from the broadcast
+        value), batches (from its own rng) and SGD state; per step, one text-tower forward over the stacked
+        contexts of the clients that still have batches (A x C prompts), each client's CE on its own batch, and
+        one `privacy.backward` (raysim/batched.py StackPrivacy) that gives every client the gradient (or DP-SGD
+        step, with its own clipping and noise) of its own loss alone. Clients with fewer batches drop out of
+        the stack when they are done. The forward computes each context's prompt prefix once for its C classes
+        (raysim/models/shared_prefix.py). Equal to `local_train` client by client up to float reassociation."""
+        from raysim.models.shared_prefix import stacked_text_features  # the prefix shared by a context's C prompts, once
+
+        name = self.batched_context
+        ctxs = [shared[name].clone().to(env.device).requires_grad_(True) for _ in jobs]
+        opt = sgd(ctxs, self.train)  # SGD is elementwise per tensor (momentum, weight decay): one per client in effect
+        xy = [(j.data.x_train.to(env.device), j.data.y_train.to(env.device)) for j in jobs]
+        plans = [[idx for _ in range(self.train.local_epochs) for idx in privacy.batches(k, j.data.num_train, self.train.batch_size, j.rng)]
+                 for k, j in enumerate(jobs)]  # the rng draws only batches, so drawing them first changes nothing
+        losses: list[list[float]] = [[] for _ in jobs]
+        for step in range(max((len(p) for p in plans), default=0)):
+            active = [k for k, p in enumerate(plans) if step < len(p)]
+            text = stacked_text_features(env.prompts, torch.stack([ctxs[k] for k in active]))  # (A, C, D), one forward
+            per_client = [F.cross_entropy(self.logits(env, xy[k][0][plans[k][step]], text[a]), xy[k][1][plans[k][step]],
+                                          reduction="none") for a, k in enumerate(active)]
+            opt.zero_grad(set_to_none=True)  # clients out of the stack keep grad None: SGD skips them
+            privacy.backward(active, per_client, [{name: ctxs[k]} for k in active])
+            opt.step()
+            for k, loss in zip(active, per_client):
+                if len(loss):  # a Poisson batch may be empty (a noise-only step)
+                    losses[k].append(loss.mean().item())
+        return [LocalResult(upload={name: ctx.detach().cpu()}, private=j.private, num_samples=j.data.num_train,
+                            metrics={"loss": sum(ls) / max(1, len(ls))}) for ctx, j, ls in zip(ctxs, jobs, losses)]

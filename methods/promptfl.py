@@ -20,6 +20,7 @@ class PromptFL(ClipPromptMethod):
     releases = {"ctx": dpsgd()}
     global_predictor = True  # every client predicts with the broadcast context
     supports_ctx_init = True
+    batched_context = "ctx"  # local_train below is ClipPromptMethod's stackable step: the host may batch clients
 
     def init_shared(self, env, rng):
         return {"ctx": env.prompts.initial_context(rng)}

@@ -166,7 +166,7 @@ def clip_per_sample(grads: list[Tensor], clip: float) -> list[Tensor]:
     b = grads[0].shape[0]
     sq = torch.zeros(b, dtype=torch.float64, device=grads[0].device)
     for g in grads:
-        sq = sq + g.reshape(b, -1).double().pow(2).sum(dim=1)
+        sq = sq + g.flatten(1).double().pow(2).sum(dim=1)  # flatten, not reshape(b, -1): b may be 0 (an empty Poisson batch)
     norms = sq.sqrt()
     factor = (float(clip) / norms.clamp_min(1e-12)).clamp(max=1.0)
     return [g * factor.to(g.dtype).view(b, *([1] * (g.dim() - 1))) for g in grads]
@@ -272,7 +272,6 @@ class DPSGD(_Standalone):
         b = int(per_sample_loss.shape[0])
         if b == 0 and self.expected_batch is None:
             raise ValueError("DP-SGD step on an empty batch")
-        denom = float(self.expected_batch) if self.expected_batch is not None else float(b)
         public_grads: Sequence[Tensor | None] = [None] * (len(dp_list) + len(others))
         if public_loss is not None and (dp_list or (others and b > 0)):
             wrt = dp_list + (others if b > 0 else [])
@@ -282,17 +281,7 @@ class DPSGD(_Standalone):
         # the summed (plain) gradient of the others; the graph is kept for the caller, as under NoDP it is not
         grads, other_sums = _per_sample_and_sum(per_sample_loss, dp_list, others if b > 0 else [], microbatch=self.microbatch)
         if dp_list:
-            grads = clip_per_sample(grads, self.clip)
-            std = self.sigma * self.clip
-            for j, (p, g) in enumerate(zip(dp_list, grads)):
-                total = g.sum(dim=0)
-                if std > 0:
-                    total = total + gaussian_noise_like(total, std, self.generator)
-                total = total / denom
-                pg = public_grads[j]
-                if pg is not None:
-                    total = total + pg.detach()
-                p.grad = total.detach().to(p.dtype)
+            self.apply_per_example(named, grads, b, public_grads[:len(dp_list)])
         if b > 0:  # the other tensors get the plain gradient of the whole loss, as under NoDP
             for k, (p, g) in enumerate(zip(others, other_sums)):
                 total = g / b
@@ -300,6 +289,30 @@ class DPSGD(_Standalone):
                 if pg is not None:
                     total = total + pg.detach()
                 p.grad = total.detach().to(p.dtype)
+        self.record_step(named)
+
+    def apply_per_example(self, named: dict[str, Tensor], grads: Sequence[Tensor], b: int,
+                          public_grads: Sequence[Tensor | None] | None = None) -> None:
+        """The private part of a step once the per-example gradients of `named` are known (`grads[j]`: (b, *shape)
+        for the j-th tensor): clip jointly, sum, noise from this step's generator, divide, add the public
+        gradients, write `.grad`. `backward` calls it; so does the client-batched path (raysim/batched.py),
+        which gets several clients' per-example gradients from one backward."""
+        if b == 0 and self.expected_batch is None:
+            raise ValueError("DP-SGD step on an empty batch")
+        denom = float(self.expected_batch) if self.expected_batch is not None else float(b)
+        std = self.sigma * self.clip
+        for j, (p, g) in enumerate(zip(named.values(), clip_per_sample(list(grads), self.clip))):
+            total = g.sum(dim=0)
+            if std > 0:
+                total = total + gaussian_noise_like(total, std, self.generator)
+            total = total / denom
+            pg = public_grads[j] if public_grads is not None else None
+            if pg is not None:
+                total = total + pg.detach()
+            p.grad = total.detach().to(p.dtype)
+
+    def record_step(self, named: dict[str, Tensor]) -> None:
+        """Count one DP-SGD step that privatised `named` (what the host checks uploads against)."""
         self.trained.update(named)
         self.names_each_step.append(frozenset(named))
         self.steps += 1

@@ -183,6 +183,11 @@ class RoundPrivacy:
         """True when DP-SGD (or a reproduced reference noise) noises the tensors passed as `dp_params`."""
         return isinstance(self._sgd, (DPSGD, BatchClipSGD))
 
+    @property
+    def stepper(self) -> Union[DPSGD, BatchClipSGD, NoDP]:
+        """The step object behind `backward` (read by the client-batched path, raysim/batched.py)."""
+        return self._sgd
+
     # -- what the method calls -------------------------------------------------------------------
     def batches(self, n: int, batch_size: int, rng: torch.Generator) -> Iterator[Tensor]:
         from raysim.sampling import batch_indices, batches_per_epoch, poisson_batches

@@ -161,6 +161,11 @@ class ClientHost:
         as after its release (which was sent, so stays charged)."""
         uploads, reports = [], []
         shared = {k: v.to(self.device) for k, v in shared.items()}
+        from raysim.batched import train_stack
+
+        stacked = train_stack(self, round_idx, client_ids, shared)  # execution.batch_clients: None = client by client
+        if stacked is not None:
+            return stacked
         drop = self.cfg.execution.on_client_error == "drop"
         for cid in sorted(client_ids):
             # under drop, what the round may change is kept to be put back if the client fails

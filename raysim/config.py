@@ -122,6 +122,11 @@ class ExecutionConfig:
     on_client_error: str = field(default="fail", metadata=RESUMABLE)  # fail | drop
     client_timeout: float = field(default=0.0, metadata=RESUMABLE)
     min_clients: int = field(default=1, metadata=RESUMABLE)
+    # client-batched local training (raysim/batched.py): a host trains its clients of a round in stacks of up
+    # to stack_size, one text-tower forward per step for the stack, for methods that support it (PromptFL);
+    # equal to client by client up to float reassociation (1e-5)
+    batch_clients: bool = True
+    stack_size: int = 64
 
 
 @dataclass
@@ -488,6 +493,8 @@ def _validate_execution(x: ExecutionConfig, t: TrainConfig) -> None:
     _check(1 <= x.min_clients <= per_round,
            f"execution.min_clients must be between 1 and the {per_round} clients sampled per round "
            f"(num_clients={t.num_clients} x participation={t.participation}), got {x.min_clients}")
+    _check(x.stack_size >= 1, f"execution.stack_size is the most clients trained in one stack and must be >= 1, got {x.stack_size} "
+           "(execution.batch_clients=false trains client by client)")
     _check(x.device in ("auto", "cpu", "cuda"), f"execution.device must be auto, cpu or cuda, got {x.device!r}")
     from raysim.models.clip import FastPaths
 
