@@ -125,7 +125,7 @@ class ExecutionConfig:
     # client-batched local training (raysim/batched.py): a host trains its clients of a round in stacks of up
     # to stack_size, one text-tower forward per step for the stack, for methods that support it (PromptFL);
     # equal to client by client up to float reassociation (1e-5)
-    batch_clients: bool = True
+    batch_clients: bool = False  # opt-in: its results depend on which clients share a host in their last bits
     stack_size: int = 64
 
 
