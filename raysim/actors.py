@@ -159,39 +159,13 @@ class ClientHost:
         For a `release_first` method this is the round's second half, after the server aggregated the
         clients' `release`: local_train must upload nothing, and a failed client keeps its state and ledger
         as after its release (which was sent, so stays charged)."""
-        uploads, reports = [], []
         shared = {k: v.to(self.device) for k, v in shared.items()}
         from raysim.batched import train_stack
 
         stacked = train_stack(self, round_idx, client_ids, shared)  # execution.batch_clients: None = client by client
         if stacked is not None:
             return stacked
-        drop = self.cfg.execution.on_client_error == "drop"
-        for cid in sorted(client_ids):
-            # under drop, what the round may change is kept to be put back if the client fails
-            saved = (copy.deepcopy(self._private(cid)), self.privacy.snapshot(cid)) if drop else None
-            privacy = self.privacy.open(cid, round_idx, self.data[cid].num_train, shared)
-            error, result = self._local_train(round_idx, cid, shared, privacy)
-            if error:
-                if saved is not None:
-                    self.private[cid] = saved[0]
-                    self.privacy.restore(cid, saved[1])
-                reports.append(ClientReport(cid, math.nan, 0, self.epsilon(cid), {}, dropped=True, error=error))
-                if not drop:
-                    break
-                continue
-            tensors = privacy.close(result.upload)  # checked against the declared releases, privatised, accounted
-            if self.method.release_first and tensors:
-                raise UploadViolation(f"client {cid}: {self.method.name} releases first, so its local_train must upload nothing "
-                                      f"(it returned {sorted(tensors)}); the round's upload is what local_release returns")
-            self.private[cid] = result.private
-            self.dirty.add(cid)
-            up = Upload(cid, tensors, int(result.num_samples))
-            uploads.append(up)
-            reports.append(
-                ClientReport(cid, float(result.metrics.get("loss", math.nan)), up.nbytes(), self.epsilon(cid), dict(result.metrics))
-            )
-        return uploads, reports
+        return self._each_client(round_idx, client_ids, shared, phase="train")
 
     def release(self, round_idx: int, client_ids: list[int], shared: dict[str, torch.Tensor]) -> tuple[list[Upload], list[ClientReport]]:
         """The first half of a `release_first` method's round: each of `client_ids` (in id order) makes its
@@ -201,13 +175,21 @@ class ClientHost:
         and ledger (the driver leaves it out of the round's training)."""
         if not self.method.release_first:
             raise RaysimError(f"{self.method.name} does not release first (release_first is False): its uploads come from train")
-        uploads, reports = [], []
         shared = {k: v.to(self.device) for k, v in shared.items()}
+        return self._each_client(round_idx, client_ids, shared, phase="release")
+
+    def _each_client(self, round_idx: int, client_ids: list[int], shared: dict[str, torch.Tensor], *,
+                     phase: str) -> tuple[list[Upload], list[ClientReport]]:
+        """One phase ("train" or "release") for each of `client_ids` in id order, client by client: open
+        the client's privacy handle, run the method, check, privatise and account the upload, keep the new
+        private state; a failed client gets a dropped report (and under drop its state and ledger back)."""
+        uploads, reports = [], []
         drop = self.cfg.execution.on_client_error == "drop"
         for cid in sorted(client_ids):
+            # under drop, what the round may change is kept to be put back if the client fails
             saved = (copy.deepcopy(self._private(cid)), self.privacy.snapshot(cid)) if drop else None
             privacy = self.privacy.open(cid, round_idx, self.data[cid].num_train, shared)
-            error, result = self._local_train(round_idx, cid, shared, privacy, phase="release")
+            error, result = self._local_train(round_idx, cid, shared, privacy, phase=phase)
             if error:
                 if saved is not None:
                     self.private[cid] = saved[0]
@@ -217,11 +199,15 @@ class ClientHost:
                     break
                 continue
             tensors = privacy.close(result.upload)  # checked against the declared releases, privatised, accounted
+            if phase == "train" and self.method.release_first and tensors:
+                raise UploadViolation(f"client {cid}: {self.method.name} releases first, so its local_train must upload nothing "
+                                      f"(it returned {sorted(tensors)}); the round's upload is what local_release returns")
             self.private[cid] = result.private
             self.dirty.add(cid)
             up = Upload(cid, tensors, int(result.num_samples))
             uploads.append(up)
-            reports.append(ClientReport(cid, math.nan, up.nbytes(), self.epsilon(cid), dict(result.metrics)))
+            loss = float(result.metrics.get("loss", math.nan)) if phase == "train" else math.nan  # a release trains nothing
+            reports.append(ClientReport(cid, loss, up.nbytes(), self.epsilon(cid), dict(result.metrics)))
         return uploads, reports
 
     def _local_train(self, round_idx: int, cid: int, shared: dict[str, torch.Tensor], privacy: Any, *,
