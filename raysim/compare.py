@@ -478,8 +478,12 @@ class VPDRLayout(Layout):
             domains += [d for d in t if d not in ("AVG", "STD") and d not in domains]
             scores[(r.entry.label, cell_label(r.cell))] = t
         metrics = [*domains, "AVG", "STD"]
+        shared = any((r.out_dir / "config.yaml").is_file() and r.config().data.partition == "dirichlet_shared_test"
+                     for r in records)
+        where = ("every client tests on the one shared test set (partition dirichlet_shared_test)" if shared
+                 else "each client tests on its own split")
         table = grid_table(records, spec, metrics, lambda r: scores[(r.entry.label, cell_label(r.cell))], marks="pairs",
-                           notes=["Last round; each client tests on its own split; STD over clients (lower is better)."])
+                           notes=[f"Last round; {where}; STD over clients (lower is better)."])
         table.higher_better = [not h.endswith("STD") for h in table.header]
         return table
 
