@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, cast
@@ -78,15 +79,11 @@ class Progress:
     """Progress lines on stderr for a long attack: "label [k/N] what (elapsed, ~left)"."""
 
     def __init__(self, label: str, total: int, *, enabled: bool = True) -> None:
-        import time
-
         self.label, self.total, self.enabled, self.done, self.t0 = label, total, enabled, 0, time.perf_counter()
         if enabled and total:
             _say(f"{label}: {total} to do")
 
     def step(self, what: str) -> None:
-        import time
-
         self.done += 1
         if not self.enabled:
             return
@@ -337,6 +334,16 @@ class PrototypeAudit:
     rounds: list[int] = field(default_factory=list)
 
 
+def with_records(store: Any, jobs: list[tuple[int, int]]):
+    """(round, client, that round's upload record) for each (round, client) job, in order, reading each
+    round's record once (the jobs come grouped by round)."""
+    record, at = None, -1
+    for r, cid in jobs:
+        if at != r:
+            record, at = store.load_uploads(r), r
+        yield r, cid, record
+
+
 def prototype_attacks(view: RunView, *, rounds: str = "available", fsh: Optional[FSHConfig] = DEFAULT_FSH, mia: bool = True,
                       max_per_class: int = 800, clients: Optional[Sequence[int]] = None, seed: int = 0,
                       progress: bool = True) -> PrototypeAudit:
@@ -352,11 +359,7 @@ def prototype_attacks(view: RunView, *, rounds: str = "available", fsh: Optional
     method, env, data = view.method, view.env, view.data
     jobs = [(r, cid) for r in todo for cid in sorted(store.load_uploads(r)["uploads"]) if clients is None or cid in clients]
     bar = Progress(f"audit {view.run_dir.name}: prototype attacks", len(jobs), enabled=progress)
-    record, at = None, -1
-    for r, cid in jobs:
-        if at != r:
-            record, at = store.load_uploads(r), r
-        assert record is not None
+    for r, cid, record in with_records(store, jobs):
         saved = view.releasing_state(cid, r)
         if saved is None:
             out.skipped.append(f"round {r}, client {cid}: the model behind its round-{r} release is no longer on disk "
@@ -542,13 +545,7 @@ def gia_attacks(view: RunView, *, budget: GIABudget = DEFAULT_GIA, clients: Opti
     cache = TextJacobianCache()
     bar = Progress(f"audit {view.run_dir.name}: gradient inversion ({budget.images} images, {budget.iterations} iterations x "
                    f"{budget.restarts} restarts per client)", len(jobs), enabled=progress)
-    record, at = None, -1
-    import time
-
-    for r, cid in jobs:
-        if at != r:
-            record, at = store.load_uploads(r), r
-        assert record is not None
+    for r, cid, record in with_records(store, jobs):
         saved = view.state_before(cid, r)
         if saved is None:
             out.skipped.append(f"round {r}, client {cid}: its state entering round {r} is no longer on disk "
