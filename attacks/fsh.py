@@ -17,7 +17,7 @@ Metrics of one attack (class c), as the paper's table (SPEC 3.7 [decide]):
              features (higher: the reconstructions look less like the class)
   Top-1 Hit  % of the dummies the client's own classifier labels c
 
-In a run (raysim.audit) the model is the one behind the release: most prototype methods release after
+In a run (raysim.tools.audit) the model is the one behind the release: most prototype methods release after
 their local training, so the client's state saved at the end of round r is the extractor behind its
 round-r release; the VPDR frameworks release first (SPEC 3.4), so theirs is the state the client entered
 round r with (`RunView.releasing_state`). Pure functions of tensors, a model and a seeded generator here.

@@ -117,7 +117,7 @@ def query_features(logits: Tensor, labels: Tensor) -> np.ndarray:
 
 def recorded_update_features(run_dir: str | Path) -> dict[int, dict[int, np.ndarray]]:
     """round -> client -> update features, for every recorded round of a run."""
-    from raysim.store import StateStore
+    from raysim.storage.store import StateStore
 
     store = StateStore(run_dir)
     rounds = store.upload_rounds()
@@ -289,8 +289,8 @@ def final_model_logits(
     """Logits of each client's final personalised model on its rows `rows[client]` of the training set
     (or of the test set where `in_test[client]`, a bool mask over those rows, is set), from the checkpoints
     of the last completed round; a client that never took part has its initial private state."""
-    from raysim.actors import broadcast_state, env_spec, initial_private, make_method
-    from raysim.store import StateStore
+    from raysim.engine.hosts import broadcast_state, env_spec, initial_private, make_method
+    from raysim.storage.store import StateStore
 
     method = make_method(cfg)
     env = method.build_env(env_spec(cfg, data.classnames), role="client")
@@ -328,9 +328,9 @@ def audit_run(
     "own_test" (the target's own test samples of its classes; see the module docstring)."""
     import pandas as pd
 
-    from raysim.actors import make_method
     from raysim.config import build_config, load_yaml
-    from raysim.engine import prepare_data
+    from raysim.engine.hosts import make_method
+    from raysim.engine.loop import prepare_data
     from raysim.metrics import summarize
 
     check_nonmembers(nonmembers)

@@ -43,8 +43,8 @@ def plain_loop(cfg) -> list[float]:
     """The same client and server code in one process: no hosts, privacy handles, checkpoints or logs."""
     import torch
 
-    from raysim.actors import env_spec, make_method
-    from raysim.engine import prepare_data
+    from raysim.engine.hosts import env_spec, make_method
+    from raysim.engine.loop import prepare_data
     from raysim.methods import Upload
     from raysim.privacy import NoDP
     from raysim.sampling import generator, participants
@@ -68,7 +68,7 @@ def plain_loop(cfg) -> list[float]:
 
 
 def engine_loop(cfg) -> list[float]:
-    from raysim.engine import run
+    from raysim.engine.loop import run
 
     return [row["seconds"] for row in run(cfg).rounds]
 
@@ -77,8 +77,8 @@ def check_equal(tmp: Path, clients: int, per_round: int) -> int:
     """The batched engine's uploads against client by client's, two rounds (1e-5: float reassociation)."""
     import torch
 
-    from raysim.engine import run
-    from raysim.store import StateStore
+    from raysim.engine.loop import run
+    from raysim.storage.store import StateStore
 
     seen = []
     for batch in (False, True):

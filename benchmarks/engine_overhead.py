@@ -24,8 +24,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def plain_loop(cfg, rounds: int) -> list[float]:
     import torch
 
-    from raysim.actors import env_spec, make_method
-    from raysim.engine import prepare_data
+    from raysim.engine.hosts import env_spec, make_method
+    from raysim.engine.loop import prepare_data
     from raysim.methods import ClientData, Upload
     from raysim.privacy import NoDP
     from raysim.sampling import generator, participants
@@ -55,7 +55,7 @@ def plain_loop(cfg, rounds: int) -> list[float]:
 
 
 def engine_loop(cfg) -> list[float]:
-    from raysim.engine import run
+    from raysim.engine.loop import run
 
     rows = run(cfg).rounds
     return [r["seconds"] for r in rows]

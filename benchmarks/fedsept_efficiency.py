@@ -135,8 +135,8 @@ def row_config(entry: str, args):
     """The RunConfig of one row: the benchmark's train section (the paper's L = 16 from N(0, 0.02^2): no ctx_init
     phrase), model and device, plus the entry's overrides (`--experts`/`--rank` are FedSEPT's M and r; an
     entry's own `fedsept:experts=...` wins)."""
-    from raysim.compare import parse_entry
     from raysim.config import build_config, deep_merge
+    from raysim.tools.compare import parse_entry
 
     e = parse_entry(entry)
     base = {
@@ -184,7 +184,7 @@ def server_round(method, env, state, upload: dict[str, torch.Tensor], n: int, cl
 
 def measure(name, method, env, args, device) -> tuple[dict[str, float], dict[str, str]]:
     """One row: (the numbers, what crosses: {"up": shapes, "down": shapes})."""
-    from raysim.actors import broadcast_state
+    from raysim.engine.hosts import broadcast_state
     from raysim.methods import ClientData
     from raysim.privacy.dpsgd import DPSGD, NoDP
 
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_rows(args) -> tuple[list[tuple[str, dict[str, float]]], str, dict]:
     """Every row measured in this process: (rows, a description of the device, per-row shapes and skipped rows)."""
-    from raysim.actors import env_spec, make_method
+    from raysim.engine.hosts import env_spec, make_method
     from raysim.errors import ConfigError
     from raysim.models.clip import resolve_device
 

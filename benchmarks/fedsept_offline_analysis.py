@@ -38,10 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
 
-    from raysim.actors import make_method
     from raysim.config import build_config, merge_config, parse_overrides
-    from raysim.engine import prepare_data
-    from raysim.methods.fedsept_parts import public_basis
+    from raysim.engine.hosts import make_method
+    from raysim.engine.loop import prepare_data
+    from raysim.methods.fedsept.fedsept_parts import public_basis
     from raysim.models.clip import ModelSpec, build_clip_env
 
     values = merge_config({"method": "promptfl", "data": {"dataset": "synthetic-large"}, "train": {"num_clients": 10}},

@@ -32,9 +32,9 @@ def _setup(role: str):
     if role not in _cache:
         import torch
 
-        from raysim.actors import env_spec, make_method
         from raysim.config import build_config
-        from raysim.engine import prepare_data
+        from raysim.engine.hosts import env_spec, make_method
+        from raysim.engine.loop import prepare_data
 
         benchlib.register_bench_model()
         spec = json.loads(os.environ[SPEC_ENV])
@@ -59,7 +59,7 @@ def _build_client_app():
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
-        from raysim.actors import initial_private
+        from raysim.engine.hosts import initial_private
         from raysim.privacy import NoDP
         from raysim.sampling import generator
 

@@ -43,7 +43,7 @@ import torch.nn.functional as F  # noqa: E402
 
 def diagnose(run_dir: Path, clients: list[int] | None = None, max_per_class: int = 800) -> list[dict[str, float]]:
     from raysim.attacks.prototype_mia import roc_metrics
-    from raysim.audit import RunView, _features, classifier_of, extractor_of
+    from raysim.tools.audit import RunView, _features, classifier_of, extractor_of
 
     view = RunView.open(run_dir)
     store = view.store

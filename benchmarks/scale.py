@@ -123,7 +123,7 @@ def run_ray(spec: dict, sizes: list[int]) -> dict[int, dict[str, Any]]:
     import ray
 
     from raysim.config import build_config
-    from raysim.engine import run
+    from raysim.engine.loop import run
 
     os.environ["PYTHONPATH"] = benchlib.bench_pythonpath()  # the actors import benchlib (the setup hook)
     t0 = time.perf_counter()
@@ -161,9 +161,9 @@ def run_plain(spec: dict, sizes: list[int]) -> dict[int, dict[str, Any]]:
     import benchlib
     import torch
 
-    from raysim.actors import env_spec, initial_private, make_method
     from raysim.config import build_config
-    from raysim.engine import prepare_data
+    from raysim.engine.hosts import env_spec, initial_private, make_method
+    from raysim.engine.loop import prepare_data
     from raysim.methods import Upload
     from raysim.privacy import NoDP
     from raysim.sampling import generator, participants

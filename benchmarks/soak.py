@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     from raysim.config import build_config, merge_config, parse_overrides
-    from raysim.engine import run
+    from raysim.engine.loop import run
     from raysim.metrics import markdown_table
 
     tmp = None if a.out else tempfile.TemporaryDirectory(prefix="raysim-soak-")

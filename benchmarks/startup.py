@@ -9,7 +9,7 @@ into the object store, the actors (server and client hosts, all created before t
 the first and a later training round, and the shutdown (actors killed, `ray.shutdown`). Inside each actor it
 times the worker's start (process, imports) and the host's construction (method, frozen model, data
 slices), and, in this process, how long building one host takes (the model build every actor repeats).
-Then the same run end to end (`raysim.engine.run`, as `python raysim/run.py execution.backend=ray`) next
+Then the same run end to end (`raysim.engine.loop.run`, as `python raysim/run.py execution.backend=ray`) next
 to `execution.backend=inline`. The data (features of the default synthetic dataset) are cached first, so
 no phase pays for them. `--prestart` restores Ray's default of prestarting one Python worker per CPU at
 `ray.init` (what raysim did before; the actors never use those workers); `--address local` always starts a
@@ -46,8 +46,8 @@ def config(tmp: Path, tag: str, args, **extra):
 
 def phases(cfg) -> dict[str, float]:
     """Each phase of a RayBackend's life, timed on the driver (and inside the actors)."""
-    from raysim.actors import ClientHost, make_method
-    from raysim.engine import prepare_data
+    from raysim.engine.hosts import ClientHost, make_method
+    from raysim.engine.loop import prepare_data
     from raysim.sampling import participants
 
     data = prepare_data(cfg, make_method(cfg).needs(), progress=False)
@@ -55,8 +55,8 @@ def phases(cfg) -> dict[str, float]:
     t0 = time.perf_counter()
     import ray
 
-    from raysim.backends import RayBackend
-    from raysim.cluster import init_ray
+    from raysim.engine.backends import RayBackend
+    from raysim.engine.cluster import init_ray
 
     t["import ray"] = time.perf_counter() - t0
 
@@ -102,7 +102,7 @@ def phases(cfg) -> dict[str, float]:
 
 
 def end_to_end(cfg) -> float:
-    from raysim.engine import run
+    from raysim.engine.loop import run
 
     t0 = time.perf_counter()
     run(cfg)
@@ -125,12 +125,12 @@ def main(argv=None) -> int:
 
     logging.basicConfig(level=logging.WARNING)
     if args.prestart:
-        from raysim import cluster
+        from raysim.engine.loop import cluster
 
         cluster.LOCAL_SYSTEM_CONFIG.clear()
     tmp = Path(tempfile.mkdtemp(prefix="raysim-startup-"))
-    from raysim.actors import make_method
-    from raysim.engine import prepare_data
+    from raysim.engine.hosts import make_method
+    from raysim.engine.loop import prepare_data
 
     warm = config(tmp, "warm", args)
     prepare_data(warm, make_method(warm).needs(), progress=False)  # features cached: no phase below pays for them

@@ -92,9 +92,9 @@ def _channel(fd: int) -> tuple[Callable[[dict], None], Callable[[], None]]:
 def worker_plain(spec: dict, report, wait) -> None:
     import torch
 
-    from raysim.actors import env_spec, initial_private, make_method
     from raysim.config import build_config
-    from raysim.engine import prepare_data
+    from raysim.engine.hosts import env_spec, initial_private, make_method
+    from raysim.engine.loop import prepare_data
     from raysim.methods import Upload
     from raysim.privacy import NoDP
     from raysim.sampling import generator, participants
@@ -128,8 +128,8 @@ def worker_plain(spec: dict, report, wait) -> None:
 
 def worker_engine(spec: dict, report, wait, backend: str) -> None:
     from raysim.config import build_config, merge_config
-    from raysim.engine import run
-    from raysim.store import StateStore
+    from raysim.engine.loop import run
+    from raysim.storage.store import StateStore
 
     values = merge_config(spec["config"], {"execution": {"backend": backend}, "output": {"out_dir": spec["out_dir"]}})
     if backend == "ray":
@@ -138,7 +138,7 @@ def worker_engine(spec: dict, report, wait, backend: str) -> None:
 
         values["execution"]["num_actors"] = spec["actors"]
         os.environ["PYTHONPATH"] = benchlib.bench_pythonpath()  # the actors import benchlib (the setup hook)
-        # Ray as raysim starts it (raysim.cluster.init_ray), plus a hook that registers the benchmark model in
+        # Ray as raysim starts it (raysim.engine.cluster.init_ray), plus a hook that registers the benchmark model in
         # each worker; the engine then joins this Ray instead of starting its own (start-up is not timed)
         ray.init(num_cpus=spec["actors"], include_dashboard=False, configure_logging=False, log_to_driver=False,
                  runtime_env={"worker_process_setup_hook": "benchlib.ray_setup_hook"})
@@ -295,9 +295,9 @@ def main(argv=None) -> int:
     import benchlib
 
     benchlib.register_bench_model()
-    from raysim.actors import make_method
     from raysim.config import build_config, merge_config
-    from raysim.engine import prepare_data
+    from raysim.engine.hosts import make_method
+    from raysim.engine.loop import prepare_data
 
     tmp = Path(tempfile.mkdtemp(prefix="raysim-vs-flower-"))
     values = workload(args, str(tmp / "cache"))

@@ -1,40 +1,12 @@
-"""Federated methods, one module each; every module registers its class on import."""
+"""Federated methods, grouped by paper (fedsept/, fedtsp/, vpdr/) over shared bases (families/).
 
-from raysim.methods import (
-    alignfed,  # noqa: F401,E402
-    dpfpl,  # noqa: F401,E402
-    fedavg,  # noqa: F401,E402
-    fedbabu,  # noqa: F401,E402
-    feddistill,  # noqa: F401,E402
-    fedetf,  # noqa: F401,E402
-    fedfa,  # noqa: F401,E402
-    fedgen,  # noqa: F401,E402
-    fedgh,  # noqa: F401,E402
-    fedkd,  # noqa: F401,E402
-    fedmrl,  # noqa: F401,E402
-    fedotp,  # noqa: F401,E402
-    fedpac,  # noqa: F401,E402
-    fedpcl,  # noqa: F401,E402
-    fedpgp,  # noqa: F401,E402
-    fedpha,  # noqa: F401,E402
-    fedproto,  # noqa: F401,E402
-    fedsept,  # noqa: F401,E402
-    fedtgp,  # noqa: F401,E402
-    fedtsp,  # noqa: F401,E402
-    fedtsp_homo,  # noqa: F401,E402
-    fml,  # noqa: F401,E402
-    lgfedavg,  # noqa: F401,E402
-    local,  # noqa: F401,E402
-    pfedmoap,  # noqa: F401,E402
-    promptfl,  # noqa: F401,E402
-    vpdr_fedpcl,  # noqa: F401,E402
-    vpdr_fedplvm,  # noqa: F401,E402
-    vpdr_fedproto,  # noqa: F401,E402
-    vpdr_fedtgp,  # noqa: F401,E402
-    vpdr_fpl,  # noqa: F401,E402
-    vpdr_mpft,  # noqa: F401,E402
-    zeroshot,  # noqa: F401,E402
-)
+Every module under this package that defines a method registers its class on import (`@register_method`);
+`discover()` imports them all, so a new method is one new file: nothing here lists them by hand.
+"""
+
+import importlib
+import pkgutil
+
 from raysim.methods.base import (
     METHODS,
     ClientData,
@@ -47,12 +19,26 @@ from raysim.methods.base import (
     register_method,
 )
 
+_DISCOVERED = False
+
+
+def discover() -> None:
+    """Import every module of the method packages once, so each registers its methods."""
+    global _DISCOVERED
+    if _DISCOVERED:
+        return
+    _DISCOVERED = True
+    for info in pkgutil.walk_packages(__path__, prefix=__name__ + "."):
+        importlib.import_module(info.name)
+
 
 def get_method(name: str) -> type[Method]:
+    discover()
     return METHODS.get(name)
 
 
 def method_names() -> list[str]:
+    discover()
     return METHODS.names()
 
 
@@ -66,6 +52,7 @@ __all__ = [
     "TrainConfig",
     "Upload",
     "register_method",
+    "discover",
     "get_method",
     "method_names",
 ]

@@ -31,6 +31,7 @@ from typing import Any, Callable, ClassVar, Iterator, Optional, Protocol, Sequen
 import torch
 from torch import Tensor
 
+from raysim.data.client import ClientData
 from raysim.privacy.mechanisms import ReleaseSpec
 from raysim.registry import Registry
 
@@ -66,30 +67,6 @@ class EnvSpec:
     classnames: list[str]
     device: str = "cpu"
     dataset: str = ""
-
-
-@dataclass
-class ClientData:
-    """One client's data as the method sees it (features of a frozen encoder, or images).
-
-    `tokens_*` (N, K, width), float16, are the frozen image tower's token sequences, present only for
-    methods whose `input` is "features+tokens"."""
-
-    client_id: int
-    x_train: Tensor
-    y_train: Tensor
-    x_test: Tensor
-    y_test: Tensor
-    num_classes: int
-    tokens_train: Optional[Tensor] = None
-    tokens_test: Optional[Tensor] = None
-
-    @property
-    def num_train(self) -> int:
-        return int(self.y_train.shape[0])
-
-    def classes(self) -> list[int]:
-        return sorted(int(c) for c in torch.unique(self.y_train))
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ class ClipPromptMethod(Method):
 
         raise ConfigError(f"{self.name} does not declare loss_parts, so gradient inversion cannot attack it")
 
-    # -- client-batched local training (execution.batch_clients; the host's side is raysim/batched.py) ------
+    # -- client-batched local training (execution.batch_clients; the host's side is raysim/engine/batched.py) ------
     # A method whose `local_train` is exactly "SGD from the broadcast value of its one uploaded context by CE on
     # s <v(x), t_c(ctx)>, the batches drawn from rng and nothing else, private state untouched" (PromptFL) names
     # that upload here; the host may then train the clients it holds in one stack with `batched_local_train`.
@@ -95,7 +95,7 @@ class ClipPromptMethod(Method):
         """`local_train` of several clients at once. Each client k has its own context ctx_k (from the broadcast
         value), batches (from its own rng) and SGD state; per step, one text-tower forward over the stacked
         contexts of the clients that still have batches (A x C prompts), each client's CE on its own batch, and
-        one `privacy.backward` (raysim/batched.py StackPrivacy) that gives every client the gradient (or DP-SGD
+        one `privacy.backward` (raysim/engine/batched.py StackPrivacy) that gives every client the gradient (or DP-SGD
         step, with its own clipping and noise) of its own loss alone. Clients with fewer batches drop out of
         the stack when they are done. The forward computes each context's prompt prefix once for its C classes
         (raysim/models/shared_prefix.py). Equal to `local_train` client by client up to float reassociation."""

@@ -295,7 +295,7 @@ class DPSGD(_Standalone):
                           public_grads: Sequence[Tensor | None] | None = None) -> None:
         """The private part of a step once the per-example gradients of `named` are known (`grads[j]`: (b, *shape)
         for the j-th tensor): clip jointly, sum, noise from this step's generator, divide, add the public
-        gradients, write `.grad`. `backward` calls it; so does the client-batched path (raysim/batched.py),
+        gradients, write `.grad`. `backward` calls it; so does the client-batched path (raysim/engine/batched.py),
         which gets several clients' per-example gradients from one backward."""
         if b == 0 and self.expected_batch is None:
             raise ValueError("DP-SGD step on an empty batch")

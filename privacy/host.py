@@ -82,7 +82,7 @@ class HostPrivacy:
 
     def snapshot(self, cid: int) -> Optional[dict[str, Any]]:
         """A copy of the client's privacy state (calibration, ledger, one-shot releases), to `restore`
-        when its round is abandoned before anything left it (raysim/actors.py, on_client_error=drop)."""
+        when its round is abandoned before anything left it (raysim/engine/hosts.py, on_client_error=drop)."""
         st = self.states.get(cid)
         return None if st is None else st.to_dict()
 
@@ -185,7 +185,7 @@ class RoundPrivacy:
 
     @property
     def stepper(self) -> Union[DPSGD, BatchClipSGD, NoDP]:
-        """The step object behind `backward` (read by the client-batched path, raysim/batched.py)."""
+        """The step object behind `backward` (read by the client-batched path, raysim/engine/batched.py)."""
         return self._sgd
 
     # -- what the method calls -------------------------------------------------------------------

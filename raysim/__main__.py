@@ -1,8 +1,8 @@
-"""`python -m raysim ...`: the same command line as the `raysim` console script (raysim.cli)."""
+"""`python -m raysim ...`: the same command line as the `raysim` console script (raysim.tools.cli)."""
 
 import sys
 
-from raysim.cli import main
+from raysim.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

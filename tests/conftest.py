@@ -37,7 +37,7 @@ def ray_session():
     """A local Ray cluster shared by every test that needs one; shut down at the end of the session."""
     import ray
 
-    from raysim.cluster import init_ray
+    from raysim.engine.cluster import init_ray
 
     # Ray workers inherit this environment: tests/ on their path lets actors import test-only modules
     # (tests/flaky_method.py) the way this process does; restored for the rest of the session
@@ -77,7 +77,7 @@ def run_on_digits(tmp_path, method, section, *, tag=None, rounds=2, clients=4):
     import csv
 
     from raysim.config import build_config
-    from raysim.engine import run
+    from raysim.engine.loop import run
 
     cfg = build_config({
         "method": method, "dataset": "digits", "partition": "dirichlet", "beta": 0.5, "shots": 0,

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from raysim.methods.base import register_method
-from raysim.methods.promptfl import PromptFL
-from raysim.methods.vpdr_fedproto import Options as VPDRFedProtoOptions
-from raysim.methods.vpdr_fedproto import VPDRFedProto
+from raysim.methods.fedsept.promptfl import PromptFL
+from raysim.methods.vpdr.vpdr_fedproto import Options as VPDRFedProtoOptions
+from raysim.methods.vpdr.vpdr_fedproto import VPDRFedProto
 
 
 @register_method

@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from raysim.methods.base import ClientData
+from raysim.data.client import ClientData
 
 
 @dataclass

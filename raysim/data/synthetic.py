@@ -410,7 +410,7 @@ def generate(
         path = Path(os.path.expanduser(cache_dir)) / "synthetic" / f"{params.key()}.pt"
         if path.exists():
             try:
-                from raysim.store import safe_load
+                from raysim.safeio import safe_load
 
                 blob = safe_load(path)  # plain data only (tensors, numpy arrays, strings): a cache file cannot run code
                 return SyntheticSplit(**blob["train"]), SyntheticSplit(**blob["test"])
@@ -473,7 +473,7 @@ def make_bundle(params: SyntheticParams, spec: LoadSpec, name: str = "synthetic"
 
 
 # Registered variants. The data's own seed is fixed (it is the dataset, like a real dataset's split); the run
-# seed only changes partitions and training. The pretraining data of raysim.pretrain uses another seed.
+# seed only changes partitions and training. The pretraining data of raysim.tools.pretrain uses another seed.
 DEFAULT = SyntheticParams()
 SMALL = SyntheticParams(classes=tuple(CLASS_POOL[:6]), train_per_cell=16, test_per_cell=8)
 LARGE = SyntheticParams(classes=tuple(CLASS_POOL[:30]), train_per_cell=100, test_per_cell=25)

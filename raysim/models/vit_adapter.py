@@ -12,7 +12,7 @@ module per host: `Backbone`), so a client's model is its adapters and head (`ViT
 Backbones (`load_backbone(spec)`):
 
 - ``raysim-vit`` (default, offline): a small ViT this project pretrains and ships
-  (`raysim/assets/raysim-vit/`, written by `raysim.models.vit_pretrain`): an open_clip ViT image tower;
+  (`raysim/assets/raysim-vit/`, written by `raysim.tools.pretrain_vit`): an open_clip ViT image tower;
 - a local folder holding a `transformers` ViTModel (``config.json`` + weights), e.g.
   ``vit-base-patch16-224-in21k``: any ViT the user has;
 - ``open_clip:NAME[:TAG]``: the visual tower of an open_clip model (TAG a pretrained tag or a checkpoint path);
@@ -253,12 +253,12 @@ def load_backbone(spec: str, *, image_size: int = 32, seed: int = 0) -> Backbone
 def _bundled_config() -> dict[str, Any]:
     path = VIT_ASSET_DIR / "config.json"
     if not path.is_file():
-        raise ConfigError(f"the shipped {BUNDLED_VIT} backbone is missing ({path}); remake it with python -m raysim.models.vit_pretrain")
+        raise ConfigError(f"the shipped {BUNDLED_VIT} backbone is missing ({path}); remake it with python -m raysim.tools.pretrain_vit")
     return json.loads(path.read_text())
 
 
 def bundled_vit() -> OpenClipViT:
-    """The shipped raysim-vit: an open_clip ViT image tower (config.json + visual.pt, raysim/models/vit_pretrain.py)."""
+    """The shipped raysim-vit: an open_clip ViT image tower (config.json + visual.pt, raysim/tools/pretrain_vit.py)."""
     from open_clip.model import _build_vision_tower
 
     cfg = _bundled_config()

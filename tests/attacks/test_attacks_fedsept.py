@@ -21,10 +21,10 @@ from raysim.attacks.update_mia import (
     recorded_update_features,
     update_features,
 )
-from raysim.engine import run
+from raysim.engine.loop import run
 from raysim.errors import ConfigError
 from raysim.sampling import participants
-from raysim.store import StateStore
+from raysim.storage.store import StateStore
 
 
 def records(out_dir) -> dict[int, dict]:
@@ -173,9 +173,9 @@ def test_own_test_nonmembers_remove_the_class_signal(fedsept_run, capsys):
 
 
 def test_final_model_logits_reads_test_rows_where_asked(fedsept_run):
-    from raysim.actors import make_method
     from raysim.config import build_config, load_yaml
-    from raysim.engine import prepare_data
+    from raysim.engine.hosts import make_method
+    from raysim.engine.loop import prepare_data
 
     cfg = build_config(load_yaml(fedsept_run / "config.yaml"))
     data = prepare_data(cfg, make_method(cfg).needs(), progress=False)

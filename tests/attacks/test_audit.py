@@ -13,8 +13,8 @@ from conftest import tiny_config
 
 from raysim.attacks.fsh import FSHConfig, attacked_classes, frechet_distance, fsh_metrics, hijack
 from raysim.attacks.prototype_mia import roc_metrics
-from raysim.audit import GIABudget, RunView, audit_folder, audit_run, clients_then_rounds, main, per_round_means
-from raysim.engine import run
+from raysim.engine.loop import run
+from raysim.tools.audit import GIABudget, RunView, audit_folder, audit_run, clients_then_rounds, main, per_round_means
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,7 +68,7 @@ def test_mia_metrics_agree_with_scikit_learn(ties):
 
 def test_a_class_released_as_several_centres_scores_each_sample_by_its_best_centre():
     from raysim.attacks.prototype_mia import membership_scores
-    from raysim.audit import released_prototypes
+    from raysim.tools.audit import released_prototypes
 
     feats = torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]])
     labels = torch.tensor([0, 0, 1])
@@ -239,7 +239,7 @@ def _short_proto(folder: Path, cache_dir: str, **output):
 def test_recorded_runs_keep_every_rounds_client_state_so_the_audit_sees_every_round(tmp_path, cache_dir):
     from raysim.config import build_config
     from raysim.errors import ConfigError
-    from raysim.store import StateStore
+    from raysim.storage.store import StateStore
 
     every = _short_proto(tmp_path / "auto", cache_dir)  # keep_client_states=auto: all, since uploads are recorded
     assert StateStore(every).client_rounds(0) == [0, 1, 2] and StateStore(every).client_rounds(1) == [0, 1, 2]
@@ -271,7 +271,7 @@ def test_recorded_runs_keep_every_rounds_client_state_so_the_audit_sees_every_ro
 
 
 def test_the_epsilon_plot_has_gia_clipcos_next_to_the_update_mia_and_utility(tmp_path):
-    from raysim.audit import AuditResult, epsilon_series, plot_vs_epsilon
+    from raysim.tools.audit import AuditResult, epsilon_series, plot_vs_epsilon
 
     def result(eps, ldp, auc, clip, hm):
         return AuditResult(tmp_path, "update", eps, ldp, "fedsept", {"hm": hm}, [],
@@ -336,7 +336,7 @@ def test_a_run_without_recorded_uploads_says_how_to_record_one(tmp_path, cache_d
 
 
 def test_the_cli_knows_audit(capsys):
-    from raysim.cli import main as cli
+    from raysim.tools.cli import main as cli
 
     assert cli(["--help"]) == 0 and "audit RUN_DIR" in capsys.readouterr().out
 
@@ -344,9 +344,9 @@ def test_the_cli_knows_audit(capsys):
 # -- the shipped studies (validated, not run) ---------------------------------------------------------
 
 def test_the_audit_study_specs_validate_offline():
-    from raysim.compare import plan, spec_from_args
     from raysim.config import build_config, merge_config
-    from raysim.tune import load_sweep
+    from raysim.tools.compare import plan, spec_from_args
+    from raysim.tools.sweep import load_sweep
 
     sweep = load_sweep(ROOT / "sweeps" / "audit_fedsept_fig5.yaml")
     assert list(sweep["space"]) == ["dp.epsilon"] and sweep["space"]["dp.epsilon"]["grid"] == [0.25, 0.5, 0.75, 1.0, math.inf]
@@ -359,8 +359,8 @@ def test_the_audit_study_specs_validate_offline():
     cfgs = {entry.label: cfg for _, entry, _, cfg in runs}
     assert set(cfgs) == {"NoLDP", *(f"{m}-eps{e}" for m in ("IGPP", "VPP", "VPDR") for e in (1, 2))}
     assert all(c.method == "vpdr_fedproto" and c.output.record_uploads and c.data.dataset == "digits4" for c in cfgs.values())
-    from raysim.actors import make_method
-    from raysim.audit import attack_family
+    from raysim.engine.hosts import make_method
+    from raysim.tools.audit import attack_family
 
     for label, c in cfgs.items():
         m = make_method(c)

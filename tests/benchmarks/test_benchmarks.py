@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from raysim.actors import broadcast_state, make_method
+from raysim.engine.hosts import broadcast_state, make_method
 from raysim.models.clip import ModelSpec, build_clip_env
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from raysim.config import build_config
-from raysim.engine import run
+from raysim.engine.loop import run
 
 
 def in_client(tmp_path, cache_dir, name, **overrides) -> float:

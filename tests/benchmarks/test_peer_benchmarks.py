@@ -31,7 +31,7 @@ def test_source_tree_finder_maps_the_installed_layout():
     for name, folder in benchlib.PACKAGE_DIRS.items():
         spec = finder.find_spec(name)
         assert Path(spec.origin) == benchlib.ROOT / folder / "__init__.py"
-    assert finder.find_spec("raysim.engine") is None  # submodules: through the package's __path__
+    assert finder.find_spec("raysim.engine.loop") is None  # submodules: through the package's __path__
     assert finder.find_spec("numpy") is None
 
 
@@ -88,9 +88,9 @@ def test_scale_dataset_is_generated_features_per_client(tmp_path):
     ever drawn), the same for the same seed."""
     import scale
 
-    from raysim.actors import make_method
     from raysim.config import build_config
-    from raysim.engine import prepare_data
+    from raysim.engine.hosts import make_method
+    from raysim.engine.loop import prepare_data
 
     benchlib.register_bench_model()
     spec = {"clients": 30, "per_round": 5, "rounds": 1, "actors": 1, "train_per_client": 4, "test_per_client": 2, "seed": 1,

@@ -16,7 +16,7 @@ from raysim.errors import DataError
 
 def test_digits4_has_ten_digits_in_four_styles_one_per_client(cache_dir):
     from raysim.data.vpdr import DIGITS4
-    from raysim.engine import client_domains
+    from raysim.engine.loop import client_domains
 
     b = DATASETS.get("digits4")(LoadSpec(data_root="", image_size=32, cache_dir=cache_dir))
     assert b.classnames == ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
@@ -131,7 +131,7 @@ def test_dirichlet_shared_test_floors_counts_gives_the_rest_to_the_last_client_a
 
 # ------------------------------------------------------------------------------------------ the VPDR summary
 def test_vpdr_table_per_domain_avg_and_sample_std_of_the_last_round(tmp_path):
-    from raysim.evaluation import PROTOCOLS, vpdr_table
+    from raysim.engine.evaluation import PROTOCOLS, vpdr_table
 
     path = tmp_path / "client_results.csv"
     with path.open("w", newline="") as f:

@@ -83,9 +83,9 @@ def test_label_skew_grows_as_beta_shrinks_and_the_seed_fixes_the_split():
 
 
 def test_the_engine_hands_the_methods_the_pool(tmp_path):
-    from raysim.actors import make_method
     from raysim.config import build_config
-    from raysim.engine import prepare_data
+    from raysim.engine.hosts import make_method
+    from raysim.engine.loop import prepare_data
 
     cfg = build_config({
         "method": "fedavg", "fedavg": {"model": "cnn_tiny"},
@@ -101,7 +101,7 @@ def test_the_engine_hands_the_methods_the_pool(tmp_path):
         c = data.client(cid)
         assert c.num_train + len(c.y_test) >= 40 and c.num_train == math.floor(0.75 * (c.num_train + len(c.y_test)))
     # the evaluation protocol sees only the clients' test rows of the pool
-    from raysim.evaluation import PROTOCOLS
+    from raysim.engine.evaluation import PROTOCOLS
 
     proto = PROTOCOLS.get("in_cross")(data, batch_size=64)
     assert len(proto.y) == sum(len(t) for t in data.test_idx)

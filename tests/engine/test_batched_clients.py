@@ -1,4 +1,4 @@
-"""Client-batched local training (execution.batch_clients, raysim/batched.py): a host that trains its clients
+"""Client-batched local training (execution.batch_clients, raysim/engine/batched.py): a host that trains its clients
 in one stack gives the uploads, losses, private states, ledgers and DP noise of training them one by one
 (within 1e-5: float reassociation in the stacked matmuls, which sum over A x C rows instead of C), with
 unequal client sizes, with and without DP-SGD, inline and on Ray; is bitwise reproducible; handles a failing
@@ -21,8 +21,8 @@ CLIENTS = 5
 def hosts(tmp_path, cache_dir, *, dp=0.0, sampling="poisson", **extra):
     """A client-by-client host and a batched host over the same 5 clients of unequal size (Dirichlet
     skew, batch 8: from one to several batches each)."""
-    from raysim.actors import ClientHost, make_method
-    from raysim.engine import prepare_data
+    from raysim.engine.hosts import ClientHost, make_method
+    from raysim.engine.loop import prepare_data
 
     out = []
     execution = extra.pop("execution", {})
@@ -99,7 +99,7 @@ def test_stack_privacy_backward_is_per_client_dpsgd():
     """StackPrivacy.backward on a toy stack (client k's loss_i = ||w_k * x_i - y_i||^2 plus a public
     term and a plain local tensor) against DPSGD.backward client by client: same clipped, noised .grad
     (to float reassociation), same noise draws (the generators end in the same state), same bookkeeping."""
-    from raysim.batched import StackPrivacy
+    from raysim.engine.batched import StackPrivacy
     from raysim.privacy.dpsgd import DPSGD
 
     g = torch.Generator().manual_seed(0)
@@ -180,7 +180,7 @@ def test_a_raising_stack_replays_the_round_client_by_client(tmp_path, cache_dir,
 
     monkeypatch.setattr(bat.method, "batched_local_train", broken)
     shared = shared_of(seq)
-    with caplog.at_level(logging.INFO, logger="raysim.batched"):
+    with caplog.at_level(logging.INFO, logger="raysim.engine.batched"):
         b = bat.train(0, list(bat.clients), shared)
     assert "one by one" in caplog.text
     assert_same_round(seq.train(0, list(seq.clients), shared), b, exact=True)  # it is the client-by-client path
@@ -190,7 +190,7 @@ def test_a_raising_stack_replays_the_round_client_by_client(tmp_path, cache_dir,
 def test_methods_that_do_not_stack_are_unaffected(tmp_path, cache_dir):
     import flaky_method  # noqa: F401 - registers `flaky`: PromptFL with its own local_train
 
-    from raysim.batched import train_stack
+    from raysim.engine.batched import train_stack
 
     for method, extra in (("fedpgp", {}), ("flaky", {}), ("promptfl", {"execution": {"client_timeout": 100.0}})):
         _, h = hosts(tmp_path / method, cache_dir, method=method, **extra)
@@ -206,8 +206,8 @@ def test_engine_batched_equals_client_by_client_inline_and_on_ray(tmp_path, cach
     uploads and the train losses match client by client's within 1e-5."""
     import csv
 
-    from raysim.engine import run
-    from raysim.store import StateStore
+    from raysim.engine.loop import run
+    from raysim.storage.store import StateStore
 
     def go(tag, **extra):
         cfg = tiny_config(tmp_path / tag, cache_dir, num_clients=8, rounds=2, batch_size=8, shots=0, partition="dirichlet",

@@ -54,8 +54,8 @@ def run_dir(cfg):
 @pytest.mark.parametrize("backend", ["inline", "ray"])
 @pytest.mark.parametrize("mode", ["raise", "nan", "sleep"])
 def test_fail_stops_the_run_naming_the_client(tmp_path, cache_dir, mode, backend, request):
-    from raysim.engine import run
-    from raysim.store import StateStore
+    from raysim.engine.loop import run
+    from raysim.storage.store import StateStore
 
     extra = dict(backend="ray", num_actors=2) if backend == "ray" else {}
     if backend == "ray":
@@ -85,7 +85,7 @@ def test_fail_on_the_command_line_is_one_message_and_exit_2(tmp_path, cache_dir,
 
 
 def _drop_run(tmp_path, cache_dir, mode, **extra):
-    from raysim.engine import run
+    from raysim.engine.loop import run
 
     cfg = config(tmp_path, cache_dir, mode, on_client_error="drop", dp={"epsilon": 8.0}, **extra)
     result = run(cfg)
@@ -94,7 +94,7 @@ def _drop_run(tmp_path, cache_dir, mode, **extra):
 
 @pytest.mark.parametrize("mode", ["raise", "nan", "sleep"])
 def test_drop_leaves_the_client_out_of_its_round_identically_inline_and_on_ray(tmp_path, cache_dir, mode, ray_session):
-    from raysim.store import StateStore
+    from raysim.storage.store import StateStore
 
     cfg, result, results, clients = _drop_run(tmp_path / "inline", cache_dir, mode, tensorboard=True)
     assert [int(r["dropped"]) for r in results] == [0, 1, 0]
@@ -129,7 +129,7 @@ def test_drop_leaves_the_client_out_of_its_round_identically_inline_and_on_ray(t
 
 
 def test_drop_stops_below_min_clients(tmp_path, cache_dir):
-    from raysim.engine import run
+    from raysim.engine.loop import run
 
     cfg = config(tmp_path, cache_dir, "raise", on_client_error="drop", min_clients=4)
     with pytest.raises(ClientFailure, match=rf"round {ROUND}: 1 of 4 clients failed and were dropped, leaving 3, "
@@ -144,7 +144,7 @@ def test_drop_stops_below_min_clients(tmp_path, cache_dir):
 
 
 def test_a_run_stopped_under_fail_resumes_under_drop_as_a_fresh_drop_run(tmp_path, cache_dir):
-    from raysim.engine import resume_config, run
+    from raysim.engine.loop import resume_config, run
 
     cfg = config(tmp_path / "cut", cache_dir, "raise")
     with pytest.raises(ClientFailure):

@@ -1,4 +1,4 @@
-"""raysim.cluster: one plan of client hosts for every backend and for Tune, and a quiet `init_ray`."""
+"""raysim.engine.cluster: one plan of client hosts for every backend and for Tune, and a quiet `init_ray`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from raysim.cluster import AUTH_LOGGER, _quiet_auth_notice, init_ray, plan_hosts
 from raysim.config import build_config
+from raysim.engine.cluster import AUTH_LOGGER, _quiet_auth_notice, init_ray, plan_hosts
 from raysim.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ def test_plan_hosts():
 
 
 def test_tune_reserves_the_hosts_the_backend_plans():
-    from raysim.tune import trial_bundles
+    from raysim.tools.sweep import trial_bundles
 
     for values in ({"num_actors": 3}, {"num_actors": 30}, {"placement": "actor_per_client"}):
         plan = plan_hosts(cfg(backend="ray", **values), 8, 0)
@@ -49,7 +49,7 @@ def test_tune_reserves_the_hosts_the_backend_plans():
 
 
 def test_both_backends_implement_the_protocol():
-    from raysim.backends import BACKENDS, Backend
+    from raysim.engine.backends import BACKENDS, Backend
 
     members = ("train_round", "evaluate", "commit", "shutdown")
     assert all(callable(getattr(Backend, m)) for m in members)
@@ -94,7 +94,7 @@ def test_a_local_ray_starts_quietly(tmp_path):
     """A fresh process (RAY_AUTH_MODE unset, Ray 2.60 turns token auth on) prints no token notice."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(HOME=str(tmp_path), PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
-    code = ("import ray; from raysim.cluster import init_ray\n"
+    code = ("import ray; from raysim.engine.cluster import init_ray\n"
             "assert init_ray(num_cpus=1) and not init_ray()\n"
             "print('sum', ray.get(ray.remote(lambda: 1 + 1).remote())); ray.shutdown()\n")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

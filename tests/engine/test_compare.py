@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from raysim.compare import CompareSpec, Entry, Table, parse_entry, parse_grid
+from raysim.tools.compare import CompareSpec, Entry, Table, parse_entry, parse_grid
 
 TINY = ["data.dataset=digits", "data.shots=8", "model.name=raysim-tiny", "model.pretrained=", "train.num_clients=3",
         "train.n_ctx=4", "execution.backend=inline", "output.tensorboard=false"]
@@ -35,7 +35,7 @@ def test_marks_follow_the_papers():
 
 
 def test_compare_writes_the_table_resumes_and_refuses_changed_settings(tmp_path, capsys):
-    from raysim.compare import main
+    from raysim.tools.compare import main
 
     out = tmp_path / "cmp"
     args = ["--methods", "zeroshot,promptfl", "--grid", "train.lr=0.05,0.002", "--rounds", "1", "--out", str(out), *TINY]
@@ -56,7 +56,7 @@ def test_compare_writes_the_table_resumes_and_refuses_changed_settings(tmp_path,
 
 
 def test_a_bad_entry_is_refused_before_anything_runs(tmp_path):
-    from raysim.compare import main
+    from raysim.tools.compare import main
 
     out = tmp_path / "cmp"
     assert main(["--methods", "promptfl,no_such_method", "--rounds", "1", "--out", str(out), *TINY]) == 2
@@ -66,7 +66,7 @@ def test_a_bad_entry_is_refused_before_anything_runs(tmp_path):
 
 
 def test_vpdr_layout_per_domain_avg_std(tmp_path):
-    from raysim.compare import RunRecord, VPDRLayout
+    from raysim.tools.compare import RunRecord, VPDRLayout
 
     recs = []
     for label, accs in (("fedproto:privacy=igpp", [0.5, 0.7, 0.9, 0.3]), ("fedproto:privacy=vpdr", [0.6, 0.7, 0.8, 0.5])):
@@ -91,7 +91,7 @@ def test_every_shipped_table_spec_builds(tmp_path):
     """benchmarks/tables/*.yaml: every run of every spec is a valid config (a renamed option fails here)."""
     from pathlib import Path
 
-    from raysim.compare import plan, spec_from_args
+    from raysim.tools.compare import plan, spec_from_args
 
     specs = sorted((Path(__file__).resolve().parents[2] / "benchmarks" / "tables").glob("*.yaml"))
     assert specs
@@ -105,8 +105,8 @@ def test_every_shipped_table_spec_builds(tmp_path):
 def test_table_caption_names_each_rows_privacy_and_the_methods_backbone(tmp_path):
     """The caption of a table whose rows differ in dp.epsilon (the VPDR ablation's no-LDP row) lists every
     level instead of the first row's, and a method with its own backbone is named by it, not model.name."""
-    from raysim.compare import RunRecord, describe
     from raysim.config import build_config
+    from raysim.tools.compare import RunRecord, describe
 
     recs = []
     for label, eps in (("no LDP", math.inf), ("IGPP", 1.0)):

@@ -128,8 +128,8 @@ def test_defaults_have_one_source_and_the_readme_table_states_them():
     import dataclasses
     import re
 
-    from raysim.actors import make_method
     from raysim.config import SECTIONS
+    from raysim.engine.hosts import make_method
 
     cfg = build_config({})
     assert make_method(cfg).train is cfg.train

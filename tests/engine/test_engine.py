@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from raysim.engine import eval_rounds, run
+from raysim.engine.loop import eval_rounds, run
 from raysim.errors import ConfigError, UploadViolation
 from raysim.metrics import TIMING_COLUMNS
 
@@ -73,14 +73,14 @@ def test_resume_after_interruption_matches_uninterrupted(tmp_path, cache_dir):
         run(cfg, on_round=stop_after_round_1)
     out = tmp_path / "cut" / "run"
     assert len(read_rows(out / "results.csv")) == 2
-    from raysim.engine import resume_config
+    from raysim.engine.loop import resume_config
 
     resumed = run(resume_config(out))
     assert read_rows(resumed.out_dir / "results.csv") == full
 
 
 def test_resume_can_extend_rounds_but_not_change_results(tmp_path, cache_dir):
-    from raysim.engine import resume_config
+    from raysim.engine.loop import resume_config
 
     out = run(tiny_config(tmp_path, cache_dir, rounds=2)).out_dir
     with pytest.raises(ConfigError, match="lr"):
@@ -99,7 +99,7 @@ def test_existing_out_dir_is_never_overwritten(tmp_path, cache_dir):
 
 
 def test_uploads_are_checked_against_the_declared_tensors():
-    from raysim.actors import check_upload
+    from raysim.engine.hosts import check_upload
     from raysim.methods import get_method
 
     method = get_method("promptfl")
@@ -160,7 +160,7 @@ def test_prompt_learner_matches_plain_text_encoding():
 
 def test_run_stops_before_a_release_past_the_budget(tmp_path, cache_dir):
     """sigma is calibrated for the rounds a client takes part in; extending the run would overspend."""
-    from raysim.engine import resume_config
+    from raysim.engine.loop import resume_config
     from raysim.errors import PrivacyBudgetExceeded
 
     out = run(tiny_config(tmp_path, cache_dir, rounds=2, **{"dp": {"epsilon": 1.0}})).out_dir
@@ -174,7 +174,7 @@ def test_client_level_dp_noises_the_update_and_records_it(tmp_path, cache_dir):
     """dp.level=client: what the server saw is the broadcast plus an update far larger than the clip
     (the clipped update has norm <= 0.1; the noise, std 2 sigma C per coordinate, dominates it), and the
     ledger spends the target over the run."""
-    from raysim.store import StateStore
+    from raysim.storage.store import StateStore
 
     cfg = tiny_config(tmp_path, cache_dir, rounds=2, record_uploads=True, **{"dp": {"epsilon": 4.0, "level": "client", "clip": 0.1}})
     out = run(cfg).out_dir
@@ -195,7 +195,7 @@ def test_prompt_learner_through_a_hugging_face_text_tower(tmp_path):
     import open_clip
 
     from raysim.models.clip import HFTextTower, ModelSpec, build_clip_env, load_clip
-    from raysim.pretrain import model_config
+    from raysim.tools.pretrain import model_config
 
     cfg = model_config("minilm")
     (tmp_path / "raysim-test-minilm.json").write_text(json.dumps(cfg))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from raysim.engine import run
+from raysim.engine.loop import run
 from raysim.metrics import TIMING_COLUMNS
 from raysim.sampling import eval_clients
 
@@ -72,8 +72,8 @@ def test_sample_is_the_same_every_round_and_written_in_results_and_summary(tmp_p
 
 
 def _test_sizes(cfg):
-    from raysim.actors import make_method
-    from raysim.engine import prepare_data
+    from raysim.engine.hosts import make_method
+    from raysim.engine.loop import prepare_data
 
     return prepare_data(cfg, make_method(cfg).needs(), progress=False).test_idx
 
@@ -94,9 +94,9 @@ def test_bad_eval_clients_is_refused_with_exit_2(tmp_path, capsys, value):
 
 
 def _trained_backend(cfg, rounds=1):
-    from raysim.actors import make_method
-    from raysim.backends import BACKENDS
-    from raysim.engine import prepare_data
+    from raysim.engine.backends import BACKENDS
+    from raysim.engine.hosts import make_method
+    from raysim.engine.loop import prepare_data
     from raysim.sampling import participants
 
     data = prepare_data(cfg, make_method(cfg).needs(), progress=False)
@@ -122,7 +122,7 @@ def test_global_model_path_equals_the_per_client_path(tmp_path, cache_dir, proto
 
 
 def test_parts_of_the_rows_cut_at_batch_boundaries_merge_to_the_whole():
-    from raysim.evaluation import Hits, block_part, merge_hits
+    from raysim.engine.evaluation import Hits, block_part, merge_hits
 
     rows = np.array([0, 2, 3, 5, 8, 9, 11, 12, 13, 20, 21])
     for parts in (1, 2, 3, 5, 12):
@@ -193,7 +193,7 @@ def test_a_declared_global_predictor_is_the_same_for_every_client(tmp_path, name
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6)  # one model, the same inputs: equal up to kernel rounding
     if hasattr(cfg.method_options(), "finetune_epochs"):
         ft = config(tmp_path / "ft", name, **{name: {**_fast(name), "finetune_epochs": 1}})
-        from raysim.actors import make_method
+        from raysim.engine.hosts import make_method
 
         assert not make_method(ft).predicts_globally()
 
@@ -222,7 +222,7 @@ def test_scoring_many_clients_in_one_pass_equals_scoring_each():
     """InCross.score_many (per-owner hit counts) against score_hits (masks), with a client that has no
     test rows and one that is not evaluated; on all rows and on an evaluated subset's rows."""
     from raysim.data.federation import FederationData
-    from raysim.evaluation import Hits, InCross
+    from raysim.engine.evaluation import Hits, InCross
 
     owner = np.array([0, 0, 1, 1, 1, 3, 3, 0, 1, 3])
     fed = FederationData(

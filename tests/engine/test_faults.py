@@ -15,11 +15,11 @@ def _rounds(cfg, kill=None):
     (stages "trained" and "committed"), and inside train_round after each of its phases has answered on
     every host ("release" and "train" for a release_first method; "train" otherwise).
     Returns what the driver saw and every client's final private state."""
-    from raysim.actors import make_method
-    from raysim.backends import RayBackend
-    from raysim.engine import prepare_data
+    from raysim.engine.backends import RayBackend
+    from raysim.engine.hosts import make_method
+    from raysim.engine.loop import prepare_data
     from raysim.sampling import participants
-    from raysim.store import StateStore
+    from raysim.storage.store import StateStore
 
     data = prepare_data(cfg, make_method(cfg).needs(), progress=False)
     b = RayBackend(cfg, data, cfg.output.out_dir, -1)

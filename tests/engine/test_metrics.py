@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from raysim.actors import ClientHost
-from raysim.engine import mean_of_defined, resume_config, run
+from raysim.engine.hosts import ClientHost
+from raysim.engine.loop import mean_of_defined, resume_config, run
 from raysim.metrics import ROUND_COLUMNS, CsvTable, harmonic_mean, markdown_table, summarize, summary_table, write_curves
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -83,7 +83,7 @@ def hand_built_host(owner: list[int], labels: list[int], predictions: dict[int, 
             return lambda xb: torch.nn.functional.one_hot(pred[xb[:, 0].long()], classes).float()
 
     from raysim.data.federation import FederationData
-    from raysim.evaluation import InCross
+    from raysim.engine.evaluation import InCross
 
     n_clients = max(max(owner), max(predictions)) + 1
     fed = FederationData(

@@ -122,7 +122,7 @@ tick("two nodes up")
 
 # 1. one federation through address=: RayBackend connects itself; 2 client actors x 1 CPU on 2 nodes x 1 CPU
 from raysim.config import build_config
-from raysim.engine import run
+from raysim.engine.loop import run
 seen = {}
 def on_round(row):
     seen.update(client_actor_nodes())  # while the federation's actors are alive
@@ -135,7 +135,7 @@ tick("federation done")
 fed = {"summary": result.summary, "info": result.info, "actor_nodes": seen}
 
 # 2. a small sweep through address= (run_sweep connects itself): 2 trials, one client actor each
-from raysim.tune import load_sweep, run_sweep
+from raysim.tools.sweep import load_sweep, run_sweep
 spec = load_sweep("sweeps/smoke.yaml", [f"storage={storage}", "name=multinode", f"address={address}",
                                         f"cache_dir={cache_dir}", "num_clients=2"])
 spec["space"] = {"seed": {"grid": [1, 2]}}

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from raysim.evaluation import PROTOCOLS, fedtsp_round_metrics
+from raysim.engine.evaluation import PROTOCOLS, fedtsp_round_metrics
 from raysim.metrics import CLIENT_COLUMNS, ROUND_COLUMNS, CsvTable
 
 # (round, client): (in, cross, in_top5, cross_top5, n_in, n_cross)
@@ -66,7 +66,7 @@ def test_a_run_with_the_fedtsp_protocol_reports_it(tmp_path, cache_dir):
     import csv
 
     from raysim.config import build_config
-    from raysim.engine import run
+    from raysim.engine.loop import run
 
     cfg = build_config({
         "method": "fedavg", "fedavg": {"model": "cnn_tiny", "feature_dim": 32},

@@ -17,9 +17,9 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from raysim.engine import resume_config, run
+from raysim.engine.loop import resume_config, run
 from raysim.errors import CheckpointError, RunFolderLocked
-from raysim.store import LOCK_NAME, RunLock, StateStore
+from raysim.storage.store import LOCK_NAME, RunLock, StateStore
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -56,7 +56,7 @@ def test_a_second_run_or_resume_of_a_live_folder_exits_2_naming_the_holder(tmp_p
     out = run(tiny_config(tmp_path, cache_dir, rounds=1)).out_dir
     assert not (out / LOCK_NAME).exists()  # released at the end of the run
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"import sys, time; from raysim.store import RunLock; RunLock({str(out)!r}).acquire(); "
+        [sys.executable, "-c", f"import sys, time; from raysim.storage.store import RunLock; RunLock({str(out)!r}).acquire(); "
          "print('locked', flush=True); time.sleep(120)"],
         env=ENV, stdout=subprocess.PIPE, text=True,
     )
@@ -92,7 +92,7 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path, cache_dir, caplo
     out.mkdir()
     pid = dead_pid()
     (out / LOCK_NAME).write_text(json.dumps({"pid": pid, "host": "elsewhere", "started": time.time() - 60}))
-    with caplog.at_level(logging.WARNING, logger="raysim.store"):
+    with caplog.at_level(logging.WARNING, logger="raysim.storage.store"):
         res = run(tiny_config(tmp_path, cache_dir, rounds=1))  # a folder holding only a lock file is not a run
     assert f"pid {pid}" in caplog.text and "taking over" in caplog.text
     assert len(rows(res.out_dir / "results.csv")) == 1 and not (out / LOCK_NAME).exists()
@@ -122,7 +122,7 @@ def test_a_truncated_checkpoint_is_named_and_the_resume_falls_back_to_the_last_g
     assert store.completed_round() == 2 and store.damaged(2) == []
     cut = out / "state" / "clients" / "1" / "00002.pt"
     cut.write_bytes(cut.read_bytes()[:100])  # cut to 100 bytes
-    with caplog.at_level(logging.WARNING, logger="raysim.store"):
+    with caplog.at_level(logging.WARNING, logger="raysim.storage.store"):
         res = run(resume_config(out))
     assert str(cut) in caplog.text and "truncated or corrupted" in caplog.text and "last good round is 1" in caplog.text
     assert (rows(res.out_dir / "results.csv"), rows(res.out_dir / "client_results.csv")) == reference  # round 2 replayed
@@ -137,7 +137,7 @@ def test_a_flipped_byte_is_caught_by_the_digest(tmp_path, cache_dir, reference, 
     f.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="SHA-256"):
         StateStore(out).load_server(2)
-    with caplog.at_level(logging.WARNING, logger="raysim.store"):
+    with caplog.at_level(logging.WARNING, logger="raysim.storage.store"):
         res = run(resume_config(out))
     assert str(f) in caplog.text and "last good round is 1" in caplog.text
     assert rows(res.out_dir / "results.csv") == reference[0]

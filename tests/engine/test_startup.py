@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from raysim import cluster
+from raysim.engine.loop import cluster
 from raysim.errors import ConfigError
 
 

@@ -1,4 +1,4 @@
-"""Ray Tune sweeps (raysim.tune): sweep-file validation, and a 2x2 sweep of a tiny federation on 2 cores."""
+"""Ray Tune sweeps (raysim.tools.sweep): sweep-file validation, and a 2x2 sweep of a tiny federation on 2 cores."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from raysim.errors import ConfigError
-from raysim.tune import load_sweep, trial_bundles, trials_that_fit, validate_sweep
+from raysim.tools.sweep import load_sweep, trial_bundles, trials_that_fit, validate_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "sweeps" / "smoke.yaml"
@@ -96,7 +96,7 @@ def test_smoke_sweep_2x2(ray_session, tmp_path, cache_dir):
     import pandas as pd
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from raysim.tune import run_sweep
+    from raysim.tools.sweep import run_sweep
 
     spec = smoke_spec(tmp_path, cache_dir)
     df = run_sweep(spec, verbose=0)
@@ -141,7 +141,7 @@ def test_smoke_sweep_2x2(ray_session, tmp_path, cache_dir):
 def test_asha_stops_weak_trials_early(ray_session, tmp_path, cache_dir):
     """ASHA (grace period 1, halving) ends the worse trials after their first rounds; every trial still
     gets its row, with how many rounds it ran."""
-    from raysim.tune import run_sweep
+    from raysim.tools.sweep import run_sweep
 
     spec = smoke_spec(tmp_path, cache_dir, name="asha")
     spec["base"]["rounds"] = 3
@@ -155,7 +155,7 @@ def test_asha_stops_weak_trials_early(ray_session, tmp_path, cache_dir):
 def test_trial_grid_gives_each_corner_its_own_nested_value():
     """The resource check sees every value of a nested space key (dp.epsilon), not the last one for all:
     a base with a dp section of its own must not be shared between the corners."""
-    from raysim.tune import _trial_grid
+    from raysim.tools.sweep import _trial_grid
 
     corners = _trial_grid({"dp": {"delta": 1e-5}}, {"dp.epsilon": {"grid_search": [1.0, 2.0, 4.0]}})
     assert [c["dp"]["epsilon"] for c in corners] == [1.0, 2.0, 4.0]

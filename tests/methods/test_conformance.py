@@ -53,8 +53,8 @@ def config(tmp_path, name, **extra):
 
 
 def hosts(cfg, out_dir):
-    from raysim.actors import ClientHost, ServerHost, make_method
-    from raysim.engine import prepare_data
+    from raysim.engine.hosts import ClientHost, ServerHost, make_method
+    from raysim.engine.loop import prepare_data
 
     data = prepare_data(cfg, make_method(cfg).needs(), progress=False)
     return data, ServerHost(cfg, data.classnames, out_dir), ClientHost(cfg, data, list(range(cfg.train.num_clients)), out_dir)
@@ -73,7 +73,7 @@ def upload_round(host, clients, shared):
 
 @pytest.mark.parametrize("name", method_names())
 def test_method_conforms(tmp_path, name):
-    from raysim.store import StateStore
+    from raysim.storage.store import StateStore
 
     cfg = config(tmp_path, name)
     data, server, host = hosts(cfg, str(tmp_path / "a"))

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raysim.actors import check_upload
+from raysim.engine.hosts import check_upload
 from raysim.errors import ConfigError, UploadViolation
 from raysim.methods import ClientData, EnvSpec, TrainConfig, get_method
-from raysim.methods.fedsept_parts import Router, diversity_loss, gate_loss
+from raysim.methods.fedsept.fedsept_parts import Router, diversity_loss, gate_loss
 from raysim.models.clip import ModelSpec, build_clip_env
 from raysim.privacy.dpsgd import DPSGD, NoDP, per_sample_grads
 
@@ -242,7 +242,7 @@ def test_options_are_validated_and_the_probe_is_inert_with_one_key():
 
 def test_engine_run_with_dp_stays_within_budget(tmp_path):
     from raysim.config import build_config
-    from raysim.engine import run
+    from raysim.engine.loop import run
 
     cfg = build_config(
         dict(
@@ -268,7 +268,7 @@ def test_orthonormal_basis_spans_the_gaussian_basis_rows():
     so a step on A moves P by g's projection on that space; the default stays the official N(0, 0.02^2)."""
     import torch
 
-    from raysim.methods.fedsept_parts import public_basis
+    from raysim.methods.fedsept.fedsept_parts import public_basis
 
     G = public_basis(1, 16, 384)
     Q = public_basis(1, 16, 384, kind="orthonormal")

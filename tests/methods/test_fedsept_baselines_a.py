@@ -16,9 +16,9 @@ import torch.nn.functional as F  # noqa: E402
 from conftest import tiny_config  # noqa: E402
 
 from raysim.methods import ClientData, TrainConfig, get_method  # noqa: E402
-from raysim.methods.fedotp import ot_logits, sinkhorn  # noqa: E402
-from raysim.methods.fedpgp import prompt_contrast  # noqa: E402
-from raysim.methods.fedpha import projection_basis, pull_push  # noqa: E402
+from raysim.methods.fedsept.fedotp import ot_logits, sinkhorn  # noqa: E402
+from raysim.methods.fedsept.fedpgp import prompt_contrast  # noqa: E402
+from raysim.methods.fedsept.fedpha import projection_basis, pull_push  # noqa: E402
 from raysim.models.clip import ModelSpec, TokenHead, build_clip_env, encode_images, load_clip  # noqa: E402
 from raysim.privacy.dpsgd import DPSGD, NoDP  # noqa: E402
 
@@ -295,7 +295,7 @@ def test_fedpha_local_lengths_are_seeded_per_client_and_the_eot_quirk(env):
 @pytest.mark.parametrize("name", ["fedpgp", "fedotp", "fedpha"])
 def test_only_the_shared_prompt_crosses(tmp_path, cache_dir, name):
     """bytes_up is exactly one L x w float32 tensor per participant: nothing else leaves the clients."""
-    from raysim.engine import run
+    from raysim.engine.loop import run
 
     res = run(tiny_config(tmp_path, cache_dir, method=name, n_ctx=4, rounds=1, num_clients=3))
     rows = pd.read_csv(res.out_dir / "results.csv")
@@ -308,7 +308,7 @@ def test_only_the_shared_prompt_crosses(tmp_path, cache_dir, name):
 def test_same_results_inline_and_on_ray(tmp_path, cache_dir, ray_session, name, epsilon):
     """Each baseline through both backends, with and without DP (FedOTP with patch tokens: the token cache,
     the per-token head, two prompts); FedPGP and FedPHA for one round (their private parts and DP-SGD)."""
-    from raysim.engine import run
+    from raysim.engine.loop import run
 
     opts = dict(method=name, n_ctx=4, rounds=2 if name == "fedotp" else 1)
     if epsilon is not None:
@@ -325,7 +325,7 @@ def test_same_results_inline_and_on_ray(tmp_path, cache_dir, ray_session, name, 
 
 
 def test_fedotp_patch_on_a_one_token_tower_is_refused_with_the_pooled_way_out(tmp_path, cache_dir):
-    from raysim.engine import run
+    from raysim.engine.loop import run
     from raysim.errors import ConfigError
 
     with pytest.raises(ConfigError, match="1 token per image.*fedotp.tokens=pooled"):

@@ -16,8 +16,8 @@ from conftest import tiny_config
 
 from raysim.config import DPConfig
 from raysim.methods import TrainConfig, get_method
-from raysim.methods.dpfpl import factorize, gram_schmidt
-from raysim.methods.pfedmoap import Gating, gated_logits, pool, select_experts
+from raysim.methods.fedsept.dpfpl import factorize, gram_schmidt
+from raysim.methods.fedsept.pfedmoap import Gating, gated_logits, pool, select_experts
 from raysim.privacy.host import HostPrivacy
 
 
@@ -84,8 +84,8 @@ def test_expert_selection_picks_the_nearest_uploaded_others():
 
 
 def _hosts(tmp_path, cache_dir, method, **extra):
-    from raysim.actors import ClientHost, ServerHost, make_method
-    from raysim.engine import prepare_data
+    from raysim.engine.hosts import ClientHost, ServerHost, make_method
+    from raysim.engine.loop import prepare_data
 
     cfg = tiny_config(tmp_path, cache_dir, method=method, n_ctx=4, **extra)
     data = prepare_data(cfg, make_method(cfg).needs(), progress=False)
@@ -232,7 +232,7 @@ COLS = ["round", "in_client", "cross_client", "hm", "train_loss", "bytes_up", "b
 @pytest.mark.parametrize("method", ["pfedmoap", "dpfpl"])
 @pytest.mark.parametrize("epsilon", [math.inf, 1.0])
 def test_end_to_end_identical_inline_and_on_ray(tmp_path, cache_dir, ray_session, method, epsilon):
-    from raysim.engine import run
+    from raysim.engine.loop import run
 
     opts = dict(method=method, n_ctx=4, rounds=2, dp={"epsilon": epsilon})
     a = run(tiny_config(tmp_path / "inline", cache_dir, **opts))
@@ -248,7 +248,7 @@ def test_end_to_end_identical_inline_and_on_ray(tmp_path, cache_dir, ray_session
 
 
 def test_dpfpl_reference_run_warns_once_and_prints_an_honest_epsilon(tmp_path, cache_dir, caplog):
-    from raysim.engine import run
+    from raysim.engine.loop import run
 
     cfg = tiny_config(tmp_path, cache_dir, method="dpfpl", n_ctx=4, rounds=2, dpfpl={"dp_mode": "reference"}, dp={"epsilon": 1.0})
     with caplog.at_level(logging.WARNING, logger="raysim"):

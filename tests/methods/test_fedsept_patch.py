@@ -18,7 +18,7 @@ from conftest import tiny_config  # noqa: E402
 from raysim.errors import ConfigError  # noqa: E402
 from raysim.methods import ClientData, TrainConfig, get_method  # noqa: E402
 from raysim.models.clip import ModelSpec, build_clip_env, encode_images, load_clip  # noqa: E402
-from raysim.store import StateStore  # noqa: E402
+from raysim.storage.store import StateStore  # noqa: E402
 
 CLASSES = ["zero", "one", "two", "three", "four"]
 
@@ -88,7 +88,7 @@ def test_probe_query_trains_only_with_patch_tokens(tiny, router):
 
 
 def test_patch_router_end_to_end_same_results_on_both_backends(tmp_path, cache_dir, ray_session):
-    from raysim.engine import run
+    from raysim.engine.loop import run
 
     opts = dict(method="fedsept", fedsept={"router": "patch", "rank": 8}, n_ctx=4, rounds=2)
     a = run(tiny_config(tmp_path / "inline", cache_dir, **opts))
@@ -102,7 +102,7 @@ def test_patch_router_end_to_end_same_results_on_both_backends(tmp_path, cache_d
 
 
 def test_single_token_tower_is_refused_with_a_way_out(tmp_path, cache_dir):
-    from raysim.engine import run
+    from raysim.engine.loop import run
 
     cfg = tiny_config(tmp_path, cache_dir, method="fedsept", model="raysim-clip", fedsept={"router": "patch"})
     with pytest.raises(ConfigError, match="1 token per image.*ViT"):
@@ -111,9 +111,9 @@ def test_single_token_tower_is_refused_with_a_way_out(tmp_path, cache_dir):
 
 def test_pretrain_folder_loads_and_runs_the_patch_router(tmp_path, cache_dir):
     """A ViT from `raysim pretrain` is used with pretrained=<its folder> (model=<its name>)."""
-    from raysim import pretrain as pt
     from raysim.data import synthetic as syn
-    from raysim.engine import run
+    from raysim.engine.loop import run
+    from raysim.tools import pretrain as pt
 
     bench = syn.SyntheticParams(classes=("circle", "seven", "letter A"), train_per_cell=2, test_per_cell=3, seed=5)
     out = tmp_path / "vit"

@@ -98,7 +98,7 @@ def _hand_loss(img, text, s, direction):
 
 @pytest.mark.parametrize("direction", ["image_to_text", "text_to_image", "symmetric"])
 def test_server_loss_matches_hand_computation(direction):
-    from raysim.methods.fedtsp import alignment_loss
+    from raysim.methods.fedtsp.fedtsp import alignment_loss
 
     img = [[1.0, 0.0], [0.6, 0.8], [0.0, -1.0]]
     text = [[1.0, 0.2], [0.0, 1.0], [-0.5, -1.0]]
@@ -108,7 +108,7 @@ def test_server_loss_matches_hand_computation(direction):
 
 
 def test_server_loss_directions_differ_and_subset_labels():
-    from raysim.methods.fedtsp import alignment_loss
+    from raysim.methods.fedtsp.fedtsp import alignment_loss
 
     img = torch.tensor([[1.0, 0.0], [0.6, 0.8], [0.0, -1.0]])
     text = torch.tensor([[1.0, 0.2], [0.0, 1.0], [-0.5, -1.0]])
@@ -125,7 +125,7 @@ def test_server_loss_directions_differ_and_subset_labels():
 
 # --------------------------------------------------------------------------------- prototype averaging
 def test_prototype_aggregation_holders_only_weighted_and_uniform():
-    from raysim.methods.hetero import aggregate_prototypes
+    from raysim.methods.families.zoo import aggregate_prototypes
 
     protos = torch.tensor([[[1.0, 0.0], [0.0, 0.0], [9.0, 9.0]],
                            [[3.0, 0.0], [0.0, 2.0], [0.0, 0.0]]])  # (K=2, C=3, d=2)
@@ -142,8 +142,8 @@ def test_prototype_aggregation_holders_only_weighted_and_uniform():
 
 
 def test_fedproto_mse_and_fedtgp_margin():
-    from raysim.methods.fedproto import proto_mse
-    from raysim.methods.fedtgp import adaptive_margin, margin_loss
+    from raysim.methods.fedtsp.fedproto import proto_mse
+    from raysim.methods.fedtsp.fedtgp import adaptive_margin, margin_loss
 
     f = torch.tensor([[1.0, 1.0], [2.0, 0.0]])
     P = torch.tensor([[0.0, 1.0], [5.0, 5.0]])
@@ -187,7 +187,7 @@ def test_private_release_path_server_never_sees_class_names():
     client's release goes through the host (clipped, noised, in its ledger) and carries only the padded
     noised embeddings; the server derives the rest by post-processing; the client never re-releases."""
     from raysim.config import DPConfig
-    from raysim.methods.fedtsp import FedTSP, Options
+    from raysim.methods.fedtsp.fedtsp import FedTSP, Options
     from raysim.privacy.accountant import epsilon_spent
     from raysim.privacy.host import HostPrivacy
 
@@ -251,9 +251,9 @@ def test_private_variant_end_to_end_shows_its_epsilon(tmp_path):
     import csv
 
     from raysim.config import build_config
-    from raysim.engine import run
+    from raysim.engine.loop import run
     from raysim.errors import ConfigError
-    from raysim.store import StateStore
+    from raysim.storage.store import StateStore
 
     with pytest.raises(ConfigError, match="dp.epsilon"):
         build_config({"method": "fedtsp", "fedtsp": {"dp_epsilon": 1.0}})
@@ -280,7 +280,7 @@ def test_fedtsp_end_to_end(tmp_path, plm):
     assert len(rows) == 2 * 4 and {r["round"] for r in rows} == {"0", "1"}
     assert res.summary["in_client"] > 0.2  # 10 classes: well above chance after two rounds
     assert all(float(r["in_top5"]) >= float(r["in_client"]) for r in rows)
-    from raysim.store import StateStore
+    from raysim.storage.store import StateStore
 
     server = StateStore(res.out_dir).load_server(1)  # the server trained its prompts and temperature
     assert server["text_protos"].shape == (10, 384 if plm == "bert" else 128)
@@ -301,9 +301,9 @@ def test_baselines_end_to_end(tmp_path, method, section):
     leaves room for kernels that round differently)."""
     import numpy as np
 
-    from raysim.actors import make_method
     from raysim.config import build_config
-    from raysim.engine import prepare_data
+    from raysim.engine.hosts import make_method
+    from raysim.engine.loop import prepare_data
 
     res, rows = run_on_digits(tmp_path, method, section, rounds=2, clients=3)
     assert len(rows) == 2 * 3
@@ -318,7 +318,7 @@ def test_baselines_end_to_end(tmp_path, method, section):
 
 # ------------------------------------------------------------------------------- semantic structure
 def test_semantic_measures_on_toy_hierarchy():
-    from raysim.methods.fedtsp_semantics import hierarchy_paths, semantic_alignment, semantic_gap, semantic_report, wu_palmer
+    from raysim.methods.fedtsp.fedtsp_semantics import hierarchy_paths, semantic_alignment, semantic_gap, semantic_report, wu_palmer
 
     paths = [("animal", "mammal", "cat"), ("animal", "mammal", "dog"), ("animal", "bird"), ("vehicle", "car")]
     ref = wu_palmer(paths)
@@ -339,8 +339,8 @@ def test_semantic_measures_on_toy_hierarchy():
 def test_bundled_descriptions_cover_datasets():
     from raysim.data.digits import DIGIT_NAMES
     from raysim.data.synthetic import CLASS_POOL
-    from raysim.methods.fedtsp_descriptions import class_prompts, load_descriptions
-    from raysim.methods.fedtsp_semantics import CIFAR10_PATHS, CIFAR100_SUPERCLASSES
+    from raysim.methods.fedtsp.fedtsp_descriptions import class_prompts, load_descriptions
+    from raysim.methods.fedtsp.fedtsp_semantics import CIFAR10_PATHS, CIFAR100_SUPERCLASSES
 
     c100 = [c for cs in CIFAR100_SUPERCLASSES.values() for c in cs.split()]
     for ds, names in [("digits", DIGIT_NAMES), ("cifar10", list(CIFAR10_PATHS)), ("cifar100", c100),

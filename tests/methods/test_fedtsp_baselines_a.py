@@ -16,7 +16,7 @@ C, D = 3, 8  # classes, feature width of the small worked examples
 
 
 def _env(method, num_classes=C, feature_dim=D):
-    from raysim.methods.hetero import HtEnv
+    from raysim.methods.families.zoo import HtEnv
 
     return HtEnv(torch.device("cpu"), num_classes, feature_dim)
 
@@ -47,7 +47,7 @@ def test_zoo_heads_have_one_shape_so_they_can_be_averaged():
 
 
 def test_lgfedavg_averages_only_the_head():
-    from raysim.methods.lgfedavg import HEAD_KEYS
+    from raysim.methods.fedtsp.lgfedavg import HEAD_KEYS
 
     m = _method("lgfedavg")
     env = _env(m)
@@ -82,7 +82,7 @@ def test_lgfedavg_averages_only_the_head():
 
 # ------------------------------------------------------------------------------------------ FedGen
 def test_fedgen_generator_shapes_and_its_server_step_lowers_the_ensemble_loss():
-    from raysim.methods.fedgen import Generator, draw, ensemble_logits, train_generator
+    from raysim.methods.fedtsp.fedgen import Generator, draw, ensemble_logits, train_generator
 
     g0 = torch.Generator().manual_seed(0)
     gen = Generator(noise_dim=4, num_classes=C, hidden=16, feature_dim=D)
@@ -164,7 +164,7 @@ def test_per_example_means_give_the_class_means_of_all_collected_rows():
     """Two epochs over n = 5 in batches of 2 (fixed order, drop_last): examples 0-3 are seen twice, example 4
     never. Labels (0, 0, 1, 1, 1). Class 0's mean of all four collected rows is the mean of the two
     examples' means; example 4 is not in any class mean, nor in the counts."""
-    from raysim.methods.hetero import PerExampleMeans, release_class_means
+    from raysim.methods.families.zoo import PerExampleMeans, release_class_means
 
     acc = PerExampleMeans(5, 2)
     acc.add(torch.tensor([0, 1]), torch.tensor([[1.0, 0.0], [3.0, 0.0]]))
@@ -179,7 +179,7 @@ def test_per_example_means_give_the_class_means_of_all_collected_rows():
 
 
 def test_feddistill_per_class_logit_average_client_and_server():
-    from raysim.methods.fedproto import proto_mse
+    from raysim.methods.fedtsp.fedproto import proto_mse
 
     m = _method("feddistill")
     env = _env(m)
@@ -211,7 +211,7 @@ def test_feddistill_per_class_logit_average_client_and_server():
 
 # ---------------------------------------------------------------------- FedProto / FedTGP: htfllib
 def test_nearest_prototype_logits_worked_example():
-    from raysim.methods.fedproto import nearest_prototype_logits
+    from raysim.methods.fedtsp.fedproto import nearest_prototype_logits
 
     f = torch.tensor([[0.0, 0.0], [2.0, 2.0]])
     P = torch.tensor([[1.0, 0.0], [2.0, 1.0], [0.0, 0.0]])
@@ -224,7 +224,7 @@ def test_nearest_prototype_logits_worked_example():
 
 @pytest.mark.parametrize("name", ["fedproto", "fedtgp"])
 def test_htfllib_protocol_predicts_by_nearest_global_prototype(name):
-    from raysim.methods.fedproto import nearest_prototype_logits
+    from raysim.methods.fedtsp.fedproto import nearest_prototype_logits
 
     kw = {"server_epochs": 1} if name == "fedtgp" else {}
     head, htf = _method(name, **kw), _method(name, protocol="htfllib", **kw)
@@ -262,7 +262,7 @@ def test_htfllib_fedproto_collects_its_prototypes_during_training():
     assert torch.allclose(outs[0.0, "head"]["protos"], outs[0.0, "htfllib"]["protos"], atol=1e-5)
     assert not torch.allclose(outs[0.05, "head"]["protos"], outs[0.05, "htfllib"]["protos"], atol=1e-4)
     # FedTGP's htfllib client collects after training, as by default
-    from raysim.methods.fedtgp import FedTGP
+    from raysim.methods.fedtsp.fedtgp import FedTGP
 
     assert FedTGP.htfllib_collects_during_training is False
 
@@ -333,8 +333,8 @@ def test_end_to_end_on_ray(tmp_path, ray_session, name, section):
     import csv
 
     from raysim.config import build_config
-    from raysim.engine import run
-    from raysim.store import StateStore
+    from raysim.engine.loop import run
+    from raysim.storage.store import StateStore
 
     cfg = build_config({
         "method": name,

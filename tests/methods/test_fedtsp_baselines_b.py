@@ -58,7 +58,7 @@ def _shared(method):
 
 # ------------------------------------------------------------------------------------ AlignFed
 def test_alignfed_anchors_are_on_the_sphere_equidistant_and_seeded():
-    from raysim.methods.alignfed import simplex_etf
+    from raysim.methods.fedtsp.alignfed import simplex_etf
 
     for c, d in [(3, 16), (10, 512), (5, 5)]:
         a = simplex_etf(c, d, torch.Generator().manual_seed(0))
@@ -77,7 +77,7 @@ def test_alignfed_anchors_are_on_the_sphere_equidistant_and_seeded():
 
 
 def test_alignfed_alignment_loss_and_lambda_schedule():
-    from raysim.methods.alignfed import align_loss
+    from raysim.methods.fedtsp.alignfed import align_loss
 
     anchors = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
     feats = torch.tensor([[2.0, 0.0], [0.0, 3.0], [0.0, 1.0]])  # on its anchor (any length), on it, orthogonal
@@ -112,7 +112,7 @@ def test_alignfed_training_pulls_features_onto_their_anchors():
         _, res, _, _ = _round(m, shared, private=private)
         private = res.private
     model = m.model(env, private).eval()
-    from raysim.methods.alignfed import align_loss
+    from raysim.methods.fedtsp.alignfed import align_loss
 
     with torch.no_grad():
         after = align_loss(model.features(data.x_train), data.y_train, shared["anchors"]).item()
@@ -123,7 +123,7 @@ def test_alignfed_training_pulls_features_onto_their_anchors():
 
 # ------------------------------------------------------------------------------------ FML
 def test_fml_mutual_kl_on_a_hand_example():
-    from raysim.methods.fml import mutual_losses
+    from raysim.methods.fedtsp.fml import mutual_losses
 
     z_local = torch.tensor([[0.0, 0.0]], requires_grad=True)  # p = (1/2, 1/2)
     z_meme = torch.tensor([[math.log(3.0), 0.0]], requires_grad=True)  # q = (3/4, 1/4)
@@ -145,7 +145,7 @@ def test_fml_mutual_kl_on_a_hand_example():
 
 
 def test_fml_uploads_only_the_meme_model_and_averages_it():
-    from raysim.methods.fedavg import flatten_state
+    from raysim.methods.fedtsp.fedavg import flatten_state
 
     m = _method("fml")
     env, shared = _shared(m)
@@ -172,7 +172,7 @@ def _matrix(singular: list[float], m: int = 8, n: int = 6) -> torch.Tensor:
 
 
 def test_fedkd_svd_keeps_at_least_T_of_the_energy_and_reconstructs():
-    from raysim.methods.fedkd import compress_update, svd_compress, svd_rank
+    from raysim.methods.fedtsp.fedkd import compress_update, svd_compress, svd_rank
 
     s = torch.tensor([3.0, 2.0, 1.0, 0.0])  # energies 9, 4, 1 of 14: cumulative 0.643, 0.929, 1
     assert [svd_rank(s, t) for t in (0.5, 0.643, 0.9, 0.95, 1.0)] == [1, 2, 2, 3, 3]
@@ -208,7 +208,7 @@ def test_fedkd_energy_schedule_and_upload_is_a_compressed_update():
     assert 0 < res.metrics["upload_ratio"] < 1  # the factors are smaller than the dense update
     assert all(math.isfinite(res.metrics[k]) for k in m.client_metrics)
     # the same round at T = 1 gives the raw trained update: the upload is its per-matrix truncation at 95 %
-    from raysim.methods.fedkd import svd_compress
+    from raysim.methods.fedtsp.fedkd import svd_compress
 
     raw, full, _, _ = _round(_method("fedkd", rounds=10, T_start=1.0, T_end=1.0), shared)
     assert full.metrics["upload_ratio"] == 1.0
@@ -228,8 +228,8 @@ def test_fedkd_energy_schedule_and_upload_is_a_compressed_update():
 
 
 def test_fedkd_adaptive_weights_are_the_inverse_ce_sum():
-    from raysim.methods.fedkd import adaptive_losses
-    from raysim.methods.fml import kl_to
+    from raysim.methods.fedtsp.fedkd import adaptive_losses
+    from raysim.methods.fedtsp.fml import kl_to
 
     torch.manual_seed(0)
     z_t, z_s, f_t, f_s = torch.randn(4, C), torch.randn(4, C), torch.randn(4, 5), torch.randn(4, 5)
@@ -245,7 +245,7 @@ def test_fedkd_adaptive_weights_are_the_inverse_ce_sum():
 
 # ------------------------------------------------------------------------------------ FedMRL
 def test_fedmrl_fusion_shapes_and_nested_head():
-    from raysim.methods.fedmrl import fuse
+    from raysim.methods.fedtsp.fedmrl import fuse
 
     m = _method("fedmrl")  # d = 16, d1 = 8
     env = m.build_env(SPEC, role="client")
@@ -306,8 +306,8 @@ def test_end_to_end_on_ray(tmp_path, name, ray_session):
     import csv
 
     from raysim.config import build_config
-    from raysim.engine import run
-    from raysim.store import StateStore
+    from raysim.engine.loop import run
+    from raysim.storage.store import StateStore
 
     cfg = build_config({
         "method": name, "dataset": "digits", "partition": "dirichlet", "beta": 0.5, "shots": 0,

@@ -91,7 +91,7 @@ def test_fedbabu_ft_finetunes_the_frozen_head_privately():
 # ------------------------------------------------------------------------------------ FedETF
 @pytest.mark.parametrize("classes,dim", [(3, 3), (4, 7), (10, 10)])
 def test_simplex_etf_is_equiangular_with_cosine_minus_one_over_c_minus_one(classes, dim):
-    from raysim.methods.fedetf import simplex_etf
+    from raysim.methods.fedtsp.fedetf import simplex_etf
 
     M = simplex_etf(dim, classes, torch.Generator().manual_seed(2)).double()
     assert M.shape == (dim, classes)
@@ -105,14 +105,14 @@ def test_simplex_etf_is_equiangular_with_cosine_minus_one_over_c_minus_one(class
 
 def test_simplex_etf_needs_proj_dim_at_least_c():
     from raysim.errors import ConfigError
-    from raysim.methods.fedetf import simplex_etf
+    from raysim.methods.fedtsp.fedetf import simplex_etf
 
     with pytest.raises(ConfigError, match="proj_dim"):
         simplex_etf(2, 3, torch.Generator())
 
 
 def test_balanced_softmax_adds_log_counts_and_drops_absent_classes():
-    from raysim.methods.fedetf import balanced_softmax_ce
+    from raysim.methods.fedtsp.fedetf import balanced_softmax_ce
 
     logits = torch.tensor([[0.0, 0.0, 5.0]])
     counts = torch.tensor([3.0, 1.0, 0.0])  # class 2 absent on this client: its logit leaves the softmax
@@ -145,7 +145,7 @@ def test_fedetf_per_personalises_etf_and_projection_privately():
 
 # ------------------------------------------------------------------------------------ FedFA
 def test_fedfa_anchor_loss_on_a_worked_example():
-    from raysim.methods.fedfa import anchor_loss
+    from raysim.methods.fedtsp.fedfa import anchor_loss
 
     anchors = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])
     feats = torch.tensor([[1.0, 1.0], [3.0, 0.0], [0.0, 2.0]])
@@ -155,7 +155,7 @@ def test_fedfa_anchor_loss_on_a_worked_example():
 
 
 def test_fedfa_anchor_update_on_a_worked_example():
-    from raysim.methods.fedfa import anchor_update
+    from raysim.methods.fedtsp.fedfa import anchor_update
 
     anchors = torch.tensor([[1.0, 0.0], [0.0, 1.0], [5.0, 5.0]])
     # two batches: class 0 has batch means (2, 0) and (4, 2); class 1 appears in one batch with mean (0, 3)
@@ -168,7 +168,7 @@ def test_fedfa_anchor_update_on_a_worked_example():
 
 
 def test_fedfa_anchors_start_distinct_one_hot_and_are_averaged_by_samples():
-    from raysim.methods.fedfa import init_anchors
+    from raysim.methods.fedtsp.fedfa import init_anchors
 
     a = init_anchors(3, 16, torch.Generator().manual_seed(0))
     assert torch.equal(a.sum(1), torch.ones(3)) and torch.equal((a > 0).sum(0).max(), torch.tensor(1))
@@ -187,7 +187,7 @@ def test_fedfa_calibration_pulls_the_head_towards_classifying_the_anchors():
     for calib_lr in (0.0, 0.05):
         m, env, shared = _setup("fedfa", calib_lr=calib_lr)
         res = _train(m, env, shared, _data(0, 32, seed=2))
-        from raysim.methods.fedavg import load_flat
+        from raysim.methods.fedtsp.fedavg import load_flat
 
         model = load_flat(m.new_model(env), res.upload["weights"])
         with torch.no_grad():
@@ -197,7 +197,7 @@ def test_fedfa_calibration_pulls_the_head_towards_classifying_the_anchors():
 
 # ------------------------------------------------------------------------------------ FedPCL
 def test_fedpcl_contrastive_loss_on_a_tiny_example():
-    from raysim.methods.fedpcl import contrastive_loss, pcl_loss
+    from raysim.methods.fedtsp.fedpcl import contrastive_loss, pcl_loss
 
     z = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
     protos = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]])
@@ -241,7 +241,7 @@ def test_fedpcl_first_participation_only_uploads_prototypes_then_trains():
 
 # ------------------------------------------------------------------------------------ FedPAC
 def test_simplex_projection_and_qp_on_hand_examples():
-    from raysim.methods.fedpac import project_simplex, simplex_qp
+    from raysim.methods.fedtsp.fedpac import project_simplex, simplex_qp
 
     assert torch.allclose(project_simplex(torch.tensor([0.5, 0.5], dtype=torch.float64)), torch.tensor([0.5, 0.5], dtype=torch.float64))
     assert torch.allclose(project_simplex(torch.tensor([2.0, 0.0], dtype=torch.float64)), torch.tensor([1.0, 0.0], dtype=torch.float64))
@@ -259,7 +259,7 @@ def test_simplex_projection_and_qp_on_hand_examples():
 
 
 def test_fedpac_combination_weights_on_a_hand_example():
-    from raysim.methods.fedpac import combination_weights
+    from raysim.methods.fedtsp.fedpac import combination_weights
 
     V = torch.tensor([1.0, 1.0, 2.0])
     # h of clients 0 and 1 equal; client 2's differs by a vector of squared norm 2 (over C = 2 classes)
@@ -275,7 +275,7 @@ def test_fedpac_combination_weights_on_a_hand_example():
 
 
 def test_fedpac_statistics_on_a_hand_example():
-    from raysim.methods.fedpac import pac_statistics
+    from raysim.methods.fedtsp.fedpac import pac_statistics
 
     feats = torch.tensor([[1.0, 0.0], [3.0, 0.0], [0.0, 2.0]])
     y = torch.tensor([0, 0, 1])
@@ -317,7 +317,7 @@ EXPECTED = {
 
 @pytest.mark.parametrize("name", NAMES)
 def test_only_declared_tensors_leave_the_client(name):
-    from raysim.actors import check_upload
+    from raysim.engine.hosts import check_upload
     from raysim.errors import UploadViolation
 
     m, env, shared = _setup(name)
@@ -340,8 +340,8 @@ def test_only_declared_tensors_leave_the_client(name):
 ])
 def test_end_to_end_on_ray(tmp_path, cache_dir, ray_session, name, section):
     from raysim.config import build_config
-    from raysim.engine import run
-    from raysim.store import StateStore
+    from raysim.engine.loop import run
+    from raysim.storage.store import StateStore
 
     cfg = build_config({
         "method": name, "data": {"dataset": "digits", "partition": "dirichlet", "beta": 0.5, "shots": 0},

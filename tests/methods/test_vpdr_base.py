@@ -1,4 +1,4 @@
-"""The VPDR base (methods/vpdr_base.py) and vpdr_fedproto: the privacy knob and its refusals, DCR's
+"""The VPDR base (methods/families/vpdr.py) and vpdr_fedproto: the privacy knob and its refusals, DCR's
 warm-up and teacher, the recorded epsilon, FedProto's loss and server step on worked examples, and
 end-to-end runs that give the same results inline and through Ray, and after a resume."""
 
@@ -47,7 +47,7 @@ def rows(path, drop=("seconds",)):
 @pytest.mark.parametrize("privacy,mech,dcr", [("igpp", "igpp", False), ("vpp", "vpp", False), ("dcr", "igpp", True),
                                               ("vpdr", "vpp", True), ("auto", "igpp", False)])
 def test_privacy_knob_maps_onto_the_hosts_mechanisms_and_dcr(tmp_path, cache_dir, backbone, privacy, mech, dcr):
-    from raysim.actors import make_method
+    from raysim.engine.hosts import make_method
 
     m = make_method(build_config(values(tmp_path, cache_dir, privacy, backbone=backbone)))
     assert m.dp.prototypes == mech and m.dcr is dcr
@@ -55,7 +55,7 @@ def test_privacy_knob_maps_onto_the_hosts_mechanisms_and_dcr(tmp_path, cache_dir
 
 
 def test_privacy_none_is_no_ldp(tmp_path, cache_dir, backbone):
-    from raysim.actors import make_method
+    from raysim.engine.hosts import make_method
 
     m = make_method(build_config(values(tmp_path, cache_dir, "none", backbone=backbone)))
     assert not m.dp.enabled and not m.dcr
@@ -92,7 +92,7 @@ def test_config_time_refusal_is_a_config_error(tmp_path, cache_dir, backbone):
 
 # ------------------------------------------------------------------------------------------ worked examples
 def test_fedproto_mse_applies_only_when_every_label_has_a_prototype():
-    from raysim.methods.vpdr_fedproto import batch_proto_mse
+    from raysim.methods.vpdr.vpdr_fedproto import batch_proto_mse
 
     P = torch.tensor([[1.0, 0.0], [0.0, 2.0], [0.0, 0.0]])
     feat = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
@@ -103,8 +103,8 @@ def test_fedproto_mse_applies_only_when_every_label_has_a_prototype():
 
 
 def test_fedproto_server_holders_renormalised_and_the_codes_all_clients_rule():
-    from raysim.methods.hetero import aggregate_prototypes
-    from raysim.methods.vpdr_fedproto import aggregate_all_clients
+    from raysim.methods.families.zoo import aggregate_prototypes
+    from raysim.methods.vpdr.vpdr_fedproto import aggregate_all_clients
 
     protos = torch.tensor([[[2.0], [4.0]], [[6.0], [0.0]]])  # 2 clients x 2 classes x d=1
     counts = torch.tensor([[1.0, 3.0], [3.0, 0.0]])  # client 1 lacks class 1
@@ -117,8 +117,8 @@ def test_fedproto_server_holders_renormalised_and_the_codes_all_clients_rule():
 
 # ------------------------------------------------------------------------------------------ DCR on a client
 def _client(tmp_path, cache_dir, backbone, privacy, **section):
-    from raysim.actors import ClientHost, ServerHost, make_method
-    from raysim.engine import prepare_data
+    from raysim.engine.hosts import ClientHost, ServerHost, make_method
+    from raysim.engine.loop import prepare_data
 
     cfg = build_config(values(tmp_path, cache_dir, privacy, backbone=backbone, **section))
     data = prepare_data(cfg, make_method(cfg).needs(), progress=False)
@@ -164,11 +164,11 @@ def test_round_order_is_spec_3_4_release_aggregate_then_train(tmp_path, cache_di
     that aggregate of round r, never the previous one; training uploads nothing."""
     import copy
 
-    from raysim.actors import initial_private, make_method
-    from raysim.backends import InlineBackend
-    from raysim.engine import prepare_data
-    from raysim.methods.hetero import aggregate_prototypes, stack_uploads
-    from raysim.methods.vpdr_base import VPDRMethod
+    from raysim.engine.backends import InlineBackend
+    from raysim.engine.hosts import initial_private, make_method
+    from raysim.engine.loop import prepare_data
+    from raysim.methods.families.vpdr import VPDRMethod
+    from raysim.methods.families.zoo import aggregate_prototypes, stack_uploads
 
     cfg = build_config(values(tmp_path, cache_dir, "none", backbone=backbone, rounds=3))
     data = prepare_data(cfg, make_method(cfg).needs(), progress=False)
@@ -214,12 +214,12 @@ def test_round_order_is_spec_3_4_release_aggregate_then_train(tmp_path, cache_di
 
 
 def test_the_audit_attacks_each_release_with_the_model_that_made_it(tmp_path, cache_dir, backbone):
-    """raysim.audit's white-box model for a round-r release of a release_first method is the state the
+    """raysim.tools.audit's white-box model for a round-r release of a release_first method is the state the
     client entered round r with (round 0: its initial model), not its checkpoint after round r's training:
     with privacy=none the recorded release is exactly that model's class means."""
-    from raysim.audit import RunView
-    from raysim.engine import run
-    from raysim.store import StateStore
+    from raysim.engine.loop import run
+    from raysim.storage.store import StateStore
+    from raysim.tools.audit import RunView
 
     v = values(tmp_path, cache_dir, "none", backbone=backbone, rounds=2)
     v["output"]["record_uploads"] = True
@@ -245,10 +245,10 @@ def test_a_failed_release_or_training_follows_the_policy_and_the_ledger_tells_th
     was aggregated and stays charged, its model stays as before the round. Under fail the run stops naming it."""
     import flaky_method  # noqa: F401  (registers the test-only flaky_vpdr)
 
-    from raysim.engine import run
+    from raysim.engine.loop import run
     from raysim.errors import ClientFailure
     from raysim.privacy.ledger import PrivacyLedger
-    from raysim.store import StateStore
+    from raysim.storage.store import StateStore
 
     v = values(tmp_path, cache_dir, "igpp", backbone=backbone, rounds=2)
     section = v.pop("vpdr_fedproto")
@@ -274,7 +274,7 @@ def test_a_failed_release_or_training_follows_the_policy_and_the_ledger_tells_th
 # ------------------------------------------------------------------------------------------ end to end
 @pytest.mark.parametrize("privacy", ["none", "igpp", "vpdr"])
 def test_inline_and_ray_give_identical_results(tmp_path, cache_dir, backbone, ray_session, privacy):
-    from raysim.engine import run
+    from raysim.engine.loop import run
 
     a = run(build_config(values(tmp_path, cache_dir, privacy, backbone=backbone, out="inline")))
     b = run(build_config(values(tmp_path, cache_dir, privacy, backbone=backbone, backend="ray", out="ray")))
@@ -286,9 +286,9 @@ def test_inline_and_ray_give_identical_results(tmp_path, cache_dir, backbone, ra
 
 
 def test_recorded_epsilon_over_the_rounds_is_the_target(tmp_path, cache_dir, backbone):
-    from raysim.engine import run
+    from raysim.engine.loop import run
     from raysim.privacy.ledger import PrivacyLedger
-    from raysim.store import StateStore
+    from raysim.storage.store import StateStore
 
     T, eps = 3, 1.0
     res = run(build_config(values(tmp_path, cache_dir, "vpdr", backbone=backbone, rounds=T, epsilon=eps)))
@@ -305,7 +305,7 @@ def test_recorded_epsilon_over_the_rounds_is_the_target(tmp_path, cache_dir, bac
 def test_resume_gives_identical_results(tmp_path, cache_dir):
     """On the shipped raysim-vit, under VPDR (DCR's teacher and step counter, AdamW state and the ledger all
     resume): 3 rounds straight, or interrupted after round 2 and resumed."""
-    from raysim.engine import resume_config, run
+    from raysim.engine.loop import resume_config, run
     from raysim.models.vit_adapter import BUNDLED_VIT
 
     class Stop(Exception):
@@ -327,7 +327,7 @@ def test_resume_gives_identical_results(tmp_path, cache_dir):
 def test_every_framework_is_identical_inline_on_ray_and_resumed(tmp_path, cache_dir, backbone, ray_session, name):
     """The five other frameworks under privacy=vpdr (VPP + DCR): a Ray run and a run interrupted after round 1
     and resumed give the inline run's results.csv and client_results.csv exactly."""
-    from raysim.engine import resume_config, run
+    from raysim.engine.loop import resume_config, run
 
     class Stop(Exception):
         pass

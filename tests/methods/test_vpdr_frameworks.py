@@ -11,13 +11,13 @@ import math
 import pytest
 import torch
 
-from raysim.methods import finch as fn
-from raysim.methods import vpdr_fedpcl as pcl
-from raysim.methods import vpdr_fedplvm as plvm
-from raysim.methods import vpdr_fedtgp as tgp
-from raysim.methods import vpdr_fpl as fpl
-from raysim.methods import vpdr_mpft as mpft
-from raysim.methods.fedtgp import PrototypeGenerator, margin_loss
+from raysim.methods.fedtsp.fedtgp import PrototypeGenerator, margin_loss
+from raysim.methods.vpdr import finch as fn
+from raysim.methods.vpdr import vpdr_fedpcl as pcl
+from raysim.methods.vpdr import vpdr_fedplvm as plvm
+from raysim.methods.vpdr import vpdr_fedtgp as tgp
+from raysim.methods.vpdr import vpdr_fpl as fpl
+from raysim.methods.vpdr import vpdr_mpft as mpft
 
 TOL = 1e-5  # the hand values below are rounded to 6 decimals
 
@@ -201,7 +201,7 @@ def test_fedtgp_margin_worked_example():
     # gap_0 = gap_1 = sqrt(1 + 9) = 3.162278 -> margin = min(3.162278, 100); capped at 2 with threshold 2.
     protos = torch.tensor([[[0.0, 0.0], [0.0, 3.0], [0.0, 0.0]], [[2.0, 0.0], [0.0, 0.0], [0.0, 0.0]]])
     counts = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    from raysim.methods.hetero import aggregate_prototypes
+    from raysim.methods.families.zoo import aggregate_prototypes
 
     avg, has = aggregate_prototypes(protos, counts, "uniform")
     assert abs(tgp.vpdr_margin(avg, has) - 3.162278) < TOL

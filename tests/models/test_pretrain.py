@@ -1,4 +1,4 @@
-"""raysim.pretrain: a few steps write a checkpoint that open_clip loads back like real CLIP weights, and the
+"""raysim.tools.pretrain: a few steps write a checkpoint that open_clip loads back like real CLIP weights, and the
 shipped `raysim-clip` asset assembles into a checkpoint with real zero-shot ability."""
 
 from __future__ import annotations

@@ -119,7 +119,8 @@ def test_cli_noise_and_bad_input(capsys):
 
 def test_cli_module_entrypoint():
     r = subprocess.run(
-        [sys.executable, "-m", "raysim.privacy.cli", "noise", "--epsilon", "2", "--delta", "1e-5", "--sample-rate", "1", "--steps", "5"],
+        [sys.executable, "-m", "raysim.tools.privacy_cli", "noise", "--epsilon", "2", "--delta", "1e-5",
+         "--sample-rate", "1", "--steps", "5"],
         capture_output=True, text=True, timeout=60,
     )
     assert r.returncode == 0 and float(r.stdout) > 0

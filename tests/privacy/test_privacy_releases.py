@@ -209,10 +209,10 @@ def test_an_upload_its_mechanism_did_not_privatise_is_refused():
 # --------------------------------------------------------------------------------------- full runs
 @pytest.mark.parametrize("accountant", ["rdp", "prv"])
 def test_full_dp_run_spends_its_target_and_absent_clients_spend_nothing(tmp_path, cache_dir, accountant):
-    from raysim.engine import run
+    from raysim.engine.loop import run
     from raysim.privacy.ledger import PrivacyLedger
     from raysim.sampling import schedule
-    from raysim.store import StateStore
+    from raysim.storage.store import StateStore
 
     seed, rounds, K, part = 5, 4, 4, 0.25
     sched = schedule(seed, rounds, K, part)
@@ -242,9 +242,9 @@ def test_full_dp_run_spends_its_target_and_absent_clients_spend_nothing(tmp_path
 def test_no_loss_or_metric_reaches_the_server(tmp_path, cache_dir, monkeypatch):
     import dataclasses
 
-    from raysim.engine import run
+    from raysim.engine.loop import run
     from raysim.methods.base import Upload
-    from raysim.methods.fedsept import FedSEPT
+    from raysim.methods.fedsept.fedsept import FedSEPT
 
     assert {f.name for f in dataclasses.fields(Upload)} == {"client_id", "tensors", "num_samples"}
     seen = []

@@ -1,0 +1,1 @@
+"""Shared bases of the method families (prompt, heterogeneous zoo, homogeneous, prototype, VPDR)."""

@@ -1,0 +1,1 @@
+"""FedSEPT (federated prompt tuning of CLIP) and its six prompt-tuning baselines."""

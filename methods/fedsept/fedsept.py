@@ -1,0 +1,265 @@
+"""FedSEPT (fedsept.txt, Algorithm 1): subspace-decomposed expert prompts with instance-aware fusion.
+
+SEM   P_m = A_m B0 + R (Eq. 5). B0 is a public basis drawn from a public seed (never sent each round:
+      every host derives the bit-identical B0 in `build_env`); A = [A_1..A_M] is the only upload;
+      R stays on the client.
+IEF   a private router pi(x) = softmax(W_gate MHA(u, v(x), v(x))) (Eq. 7) weights the experts'
+      logits (Eq. 9); per-expert text features are cached at inference. router="pooled" (official code)
+      attends over the one pooled feature v(x); router="patch" over the image tower's tokens (SPEC 1.3).
+Loss  l_i = CE_i + lambda_div L_div (Eq. 6) per sample; lambda_gate L_gate (Eq. 8) on the router only.
+DP    DP-SGD on A alone (Eq. 11); R and the router take the plain gradient. L_div depends on A only,
+      which is public after each release; `div_outside_dp=true` adds its gradient after clipping and
+      noising (no privacy cost) instead of inside every clipped per-example gradient (the paper's Eq. 11).
+Server  expert-wise weighted average of A (Eq. 12).
+
+Variants (Table 4, Table 5): single (one full-dimensional shared prompt, no R, no router),
+full_meps (A_m is L x w, no basis), wo_r (no residual), top1 (arg-max expert only), uniform
+(pi = 1/M); fusion="prompt" is FedSEPT-PF, cache_text=False is FedSEPT-NC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from raysim.errors import ConfigError
+from raysim.methods.base import ClientData, LocalResult, Needs, register_method
+from raysim.methods.common import ClipPromptMethod, PromptLossParts, sgd, weighted_mean
+from raysim.methods.fedsept.fedsept_parts import (
+    add_grads,
+    diversity_loss,
+    expert_prompts,
+    gate_loss,
+    grads_of,
+    hard_top1,
+    logit_fusion,
+    make_router,
+    prompt_fusion,
+    public_basis,
+    seeded,
+)
+from raysim.privacy.mechanisms import dpsgd
+
+VARIANTS = ("full", "single", "full_meps", "wo_r", "top1", "uniform")
+
+
+@dataclass
+class FedSEPTOptions:
+    experts: int = 4  # M
+    rank: int = 16  # r
+    lambda_div: float = 10.0
+    div_reduction: str = "sum"  # sum (paper Eq. 6, Frobenius) | mean (official code)
+    lambda_gate: float = 10.0  # 0 reproduces the official code (no L_gate)
+    router: str = "pooled"  # pooled (official code: u is inert) | patch (attends over the image tokens)
+    router_heads: int = 4
+    router_dropout: float = 0.1
+    variant: str = "full"  # full | single | full_meps | wo_r | top1 | uniform
+    fusion: str = "logit"  # logit (Eq. 9) | prompt (FedSEPT-PF)
+    cache_text: bool = True  # False = FedSEPT-NC: expert text features recomputed for every batch
+    basis_seed: int = 1  # public seed of B0
+    r_init: str = "zeros"  # zeros: R starts at 0 (SPEC 1.13.1, official) | phrase: at train.ctx_init's embeddings (like PromptFL)
+    basis: str = "gaussian"  # gaussian: B0 ~ N(0, 0.02^2) (SPEC 1.2, the official code) | orthonormal: orthonormal rows (analysis)
+    div_outside_dp: bool = False  # True: L_div's gradient added after DP-SGD's clipping and noise (it is data-independent)
+
+    def validate(self) -> None:
+        def check(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        check(self.experts >= 1, f"fedsept.experts must be >= 1, got {self.experts}")
+        check(self.rank >= 1, f"fedsept.rank must be >= 1, got {self.rank}")
+        check(self.lambda_div >= 0, f"fedsept.lambda_div must be >= 0, got {self.lambda_div}")
+        check(self.lambda_gate >= 0, f"fedsept.lambda_gate must be >= 0 (0 = the official code), got {self.lambda_gate}")
+        check(self.div_reduction in ("sum", "mean"), f"fedsept.div_reduction must be sum or mean, got {self.div_reduction!r}")
+        check(self.router in ("pooled", "patch"), f"fedsept.router must be pooled or patch, got {self.router!r}")
+        check(self.router_heads >= 1, f"fedsept.router_heads must be >= 1, got {self.router_heads}")
+        check(0 <= self.router_dropout < 1, f"fedsept.router_dropout must be in [0, 1), got {self.router_dropout}")
+        check(self.variant in VARIANTS, f"fedsept.variant must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
+        check(self.fusion in ("logit", "prompt"), f"fedsept.fusion must be logit or prompt, got {self.fusion!r}")
+        check(self.r_init in ("zeros", "phrase"), f"fedsept.r_init must be zeros or phrase, got {self.r_init!r}")
+        check(self.basis in ("gaussian", "orthonormal"), f"fedsept.basis must be gaussian or orthonormal, got {self.basis!r}")
+
+
+@register_method
+class FedSEPT(ClipPromptMethod):
+    name = "fedsept"
+    Options = FedSEPTOptions
+    releases = {"A": dpsgd()}
+    client_metrics = ("loss", "ce", "div", "gate")
+
+    # -- the variant as structure ----------------------------------------------------------
+    @property
+    def M(self) -> int:
+        return 1 if self.opts.variant == "single" else self.opts.experts
+
+    @property
+    def low_rank(self) -> bool:  # SEM's basis; single and full_meps use full-dimensional experts
+        return self.opts.variant not in ("single", "full_meps")
+
+    @property
+    def has_residual(self) -> bool:
+        return self.opts.variant not in ("single", "wo_r")
+
+    @property
+    def has_router(self) -> bool:
+        return self.M > 1 and self.opts.variant != "uniform"
+
+    @property
+    def patch_router(self) -> bool:
+        return self.has_router and self.opts.router == "patch"
+
+    def needs(self) -> Needs:  # the patch router reads the frozen image tower's tokens as well
+        return Needs(input="features", tokens=self.patch_router)
+
+    @property
+    def supports_ctx_init(self) -> bool:  # type: ignore[override]
+        """r_init=phrase starts the private residual from train.ctx_init (a public phrase: no privacy cost),
+        so FedSEPT's first prompt A B0 + R is PromptFL's default first prompt plus A B0 (~1e-3)."""
+        return self.has_residual and self.opts.r_init == "phrase"
+
+    # -- frozen parts: the CLIP text side and the public basis -------------------------------
+    def build_env(self, spec, *, role: str):
+        env = super().build_env(spec, role=role)
+        if self.patch_router and not env.token_dim:
+            raise ConfigError(f"fedsept.router=patch: raysim cannot read image tokens from {spec.model.model}; use router=pooled")
+        self.B0 = self.basis(env)
+        return env
+
+    def basis(self, env):
+        """B0 (r, w) from the public seed (None for full-dimensional experts). Identical on every host."""
+        if not self.low_rank:
+            return None
+        B0 = getattr(self, "B0", None)
+        if B0 is None or B0.shape != (self.opts.rank, env.ctx_width) or B0.device != env.device:
+            self.B0 = B0 = public_basis(self.opts.basis_seed, self.opts.rank, env.ctx_width, kind=self.opts.basis).to(env.device)
+        return B0
+
+    # -- server half -------------------------------------------------------------------------
+    def init_shared(self, env, rng):
+        cols = self.opts.rank if self.low_rank else env.ctx_width
+        A = torch.randn(self.M * self.train.n_ctx, cols, generator=rng) * 0.02
+        return {"A": A}
+
+    def aggregate(self, env, shared, uploads, rng):
+        # Eq. 12: A^m = sum_k n_k / sum_j n_j A_k^m for every expert m (the same weights for each m)
+        return {"A": weighted_mean(uploads, "A")}
+
+    # -- client half -------------------------------------------------------------------------
+    def init_private(self, env, data: ClientData, rng):
+        private = {}
+        if self.has_residual:
+            private["R"] = env.prompts.initial_context(rng) if self.supports_ctx_init else torch.zeros(self.train.n_ctx, env.ctx_width)
+        if self.has_router:
+            private["router"] = self._router(env, rng).state_dict()
+        return private
+
+    def _router(self, env, rng, state=None):
+        o = self.opts
+        dim = env.token_dim if self.patch_router else env.feature_dim  # SPEC 1.3: 768 for ViT-B/16 tokens
+        router = make_router(dim, self.M, o.router_heads, o.router_dropout, o.router, rng)
+        if state is not None:
+            router.load_state_dict(state)
+        return router.to(env.device)
+
+    def route(self, router, feats):
+        """Soft expert weights pi(x), (B, M): the router's (Eq. 7), or 1/M for the uniform variant."""
+        if router is None:
+            return torch.full((feats.shape[0], self.M), 1.0 / self.M, device=feats.device)
+        return router(feats)
+
+    def forward(self, env, A, R, router, feats, text=None, tokens=None):
+        """Fused logits (B, C) and the soft routing weights. `text`: cached (M, C, D) expert text features;
+        `tokens`: the images' (B, K, width) tokens, which the patch router reads instead of `feats`."""
+        pi_soft = self.route(router, tokens.float() if self.patch_router else feats)
+        pi = hard_top1(pi_soft) if self.opts.variant == "top1" else pi_soft
+        P = expert_prompts(A, self.M, self.basis(env), R)  # Eq. 5
+        if self.opts.fusion == "prompt":
+            return prompt_fusion(env.prompts, env.logit_scale, feats, P, pi), pi_soft
+        if text is None:
+            text = env.prompts.text_features(P)  # (M, C, D) in one batched pass
+        return logit_fusion(env.logit_scale, feats, text, pi), pi_soft  # Eq. 9
+
+    def local_train(self, env, shared, private, data: ClientData, *, rng, privacy) -> LocalResult:
+        o = self.opts
+        A = shared["A"].clone().to(env.device).requires_grad_(True)
+        R = private["R"].clone().to(env.device).requires_grad_(True) if self.has_residual else None
+        router = self._router(env, rng, private["router"]).train() if self.has_router else None
+        router_params = list(router.parameters()) if router is not None else []
+        params = [A] + ([R] if R is not None else [])
+        groups = [{"params": params}] + ([{"params": router_params, "weight_decay": 0.0}] if router_params else [])
+        opt = sgd(groups, self.train)
+        x, y = data.x_train.to(env.device), data.y_train.to(env.device)
+        tok: torch.Tensor | None = None
+        if self.patch_router:
+            assert data.tokens_train is not None  # needs() asks for the image tokens with the patch router
+            tok = data.tokens_train.to(env.device)
+        terms: dict[str, list[float]] = {"loss": [], "ce": [], "div": [], "gate": []}
+        with seeded(rng):  # router dropout draws from a stream of this (round, client)
+            for _ in range(self.train.local_epochs):
+                for idx in privacy.batches(data.num_train, self.train.batch_size, rng):
+                    logits, pi = self.forward(env, A, R, router, x[idx], tokens=None if tok is None else tok[idx])
+                    ce = F.cross_entropy(logits, y[idx], reduction="none")
+                    div = o.lambda_div * diversity_loss(A, self.M, o.div_reduction)
+                    if o.div_outside_dp:
+                        loss, public = ce, div  # added after clipping and noise: it is a function of A only
+                    else:
+                        loss, public = ce + div, None  # per sample, before clipping (Eq. 11)
+                    gate = o.lambda_gate * gate_loss(pi) if router_params and o.lambda_gate > 0 and len(idx) else None
+                    gate_grads = grads_of(gate, router_params)  # the router's non-DP loss only
+                    opt.zero_grad(set_to_none=True)
+                    privacy.backward(loss, dp_params={"A": A}, other_params=params[1:] + router_params, public_loss=public)
+                    add_grads(router_params, gate_grads)
+                    opt.step()
+                    if len(idx):  # a Poisson batch may be empty (a noise-only step)
+                        terms["ce"].append(ce.mean().item())
+                        terms["div"].append(float(div.detach()))
+                        terms["gate"].append(float(gate.detach()) if gate is not None else 0.0)
+                        terms["loss"].append(terms["ce"][-1] + terms["div"][-1])
+        new_private = dict(private)
+        if R is not None:
+            new_private["R"] = R.detach().cpu()
+        if router is not None:
+            new_private["router"] = {k: v.detach().cpu() for k, v in router.state_dict().items()}
+        return LocalResult(
+            upload={"A": A.detach().cpu()},
+            private=new_private,
+            num_samples=data.num_train,
+            metrics={k: sum(v) / max(1, len(v)) for k, v in terms.items()},
+        )
+
+    def predictor(self, env, shared, private, data=None):
+        """The evaluated model: global A with the client's own R and router (SPEC 1.8)."""
+        A = shared["A"].to(env.device)
+        R = private["R"].to(env.device) if self.has_residual else None
+        router = None
+        if self.has_router:
+            router = self._router(env, torch.Generator(), private["router"]).eval().requires_grad_(False)
+        text = None
+        if self.opts.fusion == "logit" and self.opts.cache_text:  # computed once, reused for every batch
+            with torch.no_grad():
+                text = env.prompts.text_features(expert_prompts(A, self.M, self.basis(env), R))
+
+        @torch.no_grad()
+        def predict(feats, tokens=None):
+            tokens = None if tokens is None else tokens.to(env.device)
+            return self.forward(env, A, R, router, feats.to(env.device), text, tokens)[0]
+
+        return predict
+
+    def loss_parts(self, env, private) -> PromptLossParts:
+        """The loss split at the expert text features, for the gradient-inversion attack (pooled router)."""
+        if self.patch_router:
+            raise ConfigError("gradient inversion reads pooled image features only; attack a run with fedsept.router=pooled")
+        o = self.opts
+        R = private["R"].to(env.device) if self.has_residual else None
+        router = self._router(env, torch.Generator(), private["router"]).eval().requires_grad_(False) if self.has_router else None
+        return PromptLossParts(
+            "A",
+            lambda A: env.prompts.text_features(expert_prompts(A, self.M, self.basis(env), R)),
+            lambda A, T, feats: self.forward(env, A, R, router, feats, T)[0],
+            lambda A: o.lambda_div * diversity_loss(A, self.M, o.div_reduction),
+            separable=o.fusion == "logit",  # FedSEPT-PF fuses prompts per image: no image-free text features
+            text_state=() if R is None else (R,),
+        )

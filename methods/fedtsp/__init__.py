@@ -1,0 +1,1 @@
+"""FedTSP (text-semantic prototypes) and its heterogeneous-model and GFL/PFL baselines."""

@@ -1,0 +1,1 @@
+"""The engine: round loop, client hosts, backends, cluster, evaluation, metrics."""

@@ -1,0 +1,351 @@
+"""The round loop. The engine owns orchestration, sampling, DP accounting, evaluation and I/O; the
+method only fills in its client and server halves (methods/base.py)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:
+    import torch
+
+import numpy as np
+
+from raysim.config import RunConfig, build_config, load_yaml
+from raysim.data.federation import FederationData
+from raysim.errors import ConfigError, RunFolderLocked
+from raysim.metrics import RunLogger, harmonic_mean, summary_table
+from raysim.sampling import eval_clients, participants
+from raysim.storage.store import LOCK_NAME, RunLock, StateStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    out_dir: Path
+    summary: dict[str, float]
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def table(self) -> str:
+        return summary_table([(self.info.get("method", "method"), self.summary)])
+
+
+def eval_rounds(rounds: int, every: int, last: int) -> set[int]:
+    """Rounds (0-based) after which all clients are evaluated: every `every` rounds plus the last `last`."""
+    return {r for r in range(rounds) if (r + 1) % every == 0 or r >= rounds - last}
+
+
+def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationData:
+    """Load the dataset, partition it, and (for CLIP methods) compute or load frozen image features;
+    `needs` is the method's declared `Needs` (input kind and size, image tokens)."""
+    from raysim.data import DATASETS, LoadSpec, PartitionSpec, partition
+    from raysim.data.features import cached_image_features
+    from raysim.data.partition import is_pooled
+    from raysim.models.clip import ModelSpec, load_clip, register_builtin_configs, resolve_device
+
+    register_builtin_configs()
+    import open_clip
+
+    if cfg.model.name not in open_clip.list_models():
+        load_clip(ModelSpec(cfg.model.name, cfg.model.pretrained, cache_dir=cfg.output.cache_dir))  # raises the helpful ConfigError
+    model_cfg = open_clip.get_model_config(cfg.model.name) or {}
+    size = (model_cfg.get("vision_cfg") or {}).get("image_size", 224)
+    size = int(size[0] if isinstance(size, (list, tuple)) else size)
+    if needs.input == "images" and needs.image_size:
+        size = needs.image_size  # methods that train their own image models pick their input size
+    spec = LoadSpec(data_root=cfg.data.data_root, image_size=size, download=cfg.data.download, seed=cfg.train.seed,
+                    cache_dir=cfg.output.cache_dir)
+    bundle = DATASETS.get(cfg.data.dataset)(spec)
+    pspec = PartitionSpec(
+        train_labels=bundle.train.labels,
+        test_labels=bundle.test.labels,
+        num_clients=cfg.train.num_clients,
+        seed=cfg.train.seed,
+        beta=cfg.data.beta,
+        shots=cfg.data.shots,
+        min_samples=cfg.data.min_samples,
+        train_domains=bundle.train.domains,
+        test_domains=bundle.test.domains,
+    )
+    splits = partition(cfg.data.partition, pspec)
+    ttr = tte = None
+    if needs.input == "features":
+        tokens = needs.tokens
+        xtr, xte, *toks = cached_image_features(
+            bundle, model_spec=ModelSpec(cfg.model.name, cfg.model.pretrained, cache_dir=cfg.output.cache_dir), image_size=size,
+            cache_dir=cfg.output.cache_dir,
+            device=resolve_device(cfg.execution.device), progress=progress, tokens=tokens,
+        )
+        if tokens:
+            ttr, tte = toks
+            if ttr.shape[1] < 2:
+                raise ConfigError(
+                    f"{cfg.model.name}'s image tower yields {ttr.shape[1]} token per image at {size} px (a 1x1 feature map), "
+                    "so attending over (or transporting between) tokens degenerates to the pooled feature; use a ViT image tower "
+                    "(e.g. model=raysim-tiny, or a ViT checkpoint from `raysim pretrain --vision vit`) or the method's pooled "
+                    "mode (fedsept.router=pooled, fedotp.tokens=pooled)"
+                )
+    else:
+        xtr, xte = materialize_images(bundle.train.images), materialize_images(bundle.test.images)
+    x_train, x_test = xtr.numpy(), xte.numpy()  # features (N, D) or images (N, 3, S, S)
+    y_train, y_test = bundle.train.labels.astype(np.int64), bundle.test.labels.astype(np.int64)
+    tok_train = None if ttr is None else ttr.numpy()  # (N, K, width) float16, only when asked for
+    tok_test = None if tte is None else tte.numpy()
+    if is_pooled(cfg.data.partition):  # the split's indices point into train + test merged (partition=pfllib)
+        x_train = x_test = np.concatenate([x_train, x_test])
+        y_train = y_test = np.concatenate([y_train, y_test])
+        if tok_train is not None and tok_test is not None:
+            tok_train = tok_test = np.concatenate([tok_train, tok_test])
+    return FederationData(
+        x_train=x_train,
+        y_train=y_train,
+        x_test=x_test,
+        y_test=y_test,
+        train_idx=[s.train for s in splits],
+        test_idx=[s.test for s in splits],
+        classnames=list(bundle.classnames),
+        tok_train=tok_train,
+        tok_test=tok_test,
+        client_domains=client_domains(bundle, splits),
+    )
+
+
+def client_domains(bundle: Any, splits: list[Any]) -> Optional[list[str]]:
+    """Each client's domain name (the most common among its training images), or None without domains."""
+    doms = bundle.train.domains
+    if doms is None or not bundle.domain_names:
+        return None
+    out = []
+    for s in splits:
+        d = doms[s.train] if len(s.train) else doms[:0]
+        out.append(bundle.domain_names[int(np.bincount(d).argmax())] if len(d) else "")
+    return out
+
+
+def metric_columns(method: Any) -> tuple[str, ...]:
+    """results.csv columns for the method's declared metrics (besides train_loss)."""
+    return tuple([f"train_{m}" for m in method.client_metrics if m != "loss"] + [f"server_{m}" for m in method.server_metrics])
+
+
+def round_metrics(reports: list[Any], server: dict[str, float], columns: tuple[str, ...]) -> dict[str, float]:
+    """The round's declared metrics: the mean over clients of each client metric, and the server's."""
+    out: dict[str, float] = {}
+    for col in columns:
+        kind, name = col.split("_", 1)
+        if kind == "server":
+            out[col] = float(server.get(name, math.nan))
+        else:
+            vals = [float(r.metrics[name]) for r in reports if name in r.metrics and math.isfinite(float(r.metrics[name]))]
+            out[col] = float(np.mean(vals)) if vals else math.nan
+    return out
+
+
+def mean_of_defined(values: list[float]) -> float:
+    """Mean over the finite values (a client without a Cross-Client test set has nan); nan if none."""
+    finite = [v for v in values if math.isfinite(v)]
+    return float(np.mean(finite)) if finite else math.nan
+
+
+def flat_config(cfg: RunConfig) -> dict[str, Any]:
+    """The config as one level of `key` / `section.key` entries (TensorBoard hparams, sweep tables)."""
+    return _dotted(cfg.to_dict())
+
+
+def materialize_images(images) -> "torch.Tensor":
+    """All images of a (small) dataset as one float tensor, for methods that train image models."""
+    import torch
+
+    loader = torch.utils.data.DataLoader(images, batch_size=512, shuffle=False)
+    return torch.cat([b[0] if isinstance(b, (list, tuple)) else b for b in loader])
+
+
+def resume_config(run_dir: str | Path, overrides: Optional[dict[str, Any]] = None) -> RunConfig:
+    """The config of the run in `run_dir`, with resumable keys (field metadata: execution, output,
+    data.data_root, train.rounds to extend a run) overridden; any other change is refused."""
+    from raysim.config import merge_config, move_flat_keys
+
+    run_dir = Path(run_dir).expanduser()
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"output.resume={run_dir}: no config.yaml there; pass the out_dir of an earlier run")
+    saved_cfg = build_config(load_yaml(run_dir / "config.yaml"))  # a flat config.yaml of the previous release moves too
+    saved, allowed = flat_config(saved_cfg), saved_cfg.resumable_keys()
+    overrides = move_flat_keys(dict(overrides or {}))
+    changed = {k: v for k, v in _dotted(overrides).items() if saved.get(k) != v}
+    bad = sorted(k for k in changed if k not in allowed)
+    if bad:
+        raise ConfigError(
+            f"resume: {', '.join(bad)} would change the results of the run being resumed; "
+            f"only these keys may change: {', '.join(sorted(allowed))}"
+        )
+    cfg = build_config(merge_config(saved_cfg.to_dict(), overrides))
+    cfg.output.resume = cfg.output.out_dir = str(run_dir)
+    return cfg
+
+
+def _dotted(d: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{kk}": vv for kk, vv in v.items()})
+        else:
+            out[k] = v
+    return out
+
+
+def resolve_out_dir(cfg: RunConfig) -> tuple[Path, int]:
+    """Where the run writes and the last completed round; never overwrites an existing run."""
+    if cfg.output.resume:
+        run_dir = Path(cfg.output.resume).expanduser()
+        saved = flat_config(resume_config(run_dir))
+        allowed = cfg.resumable_keys()
+        for k, v in flat_config(cfg).items():
+            if k not in allowed and saved.get(k) != v:
+                raise ConfigError(f"resume: {k}={v!r} differs from the resumed run's {saved.get(k)!r}")
+        cfg.output.out_dir = str(run_dir)
+        return run_dir, StateStore(run_dir).completed_round()
+    out = Path(cfg.output.out_dir or f"runs/{cfg.method}-{cfg.data.dataset}-{datetime.now():%Y%m%d-%H%M%S}").expanduser()
+    if out.exists() and any(p.name != LOCK_NAME for p in out.iterdir()):
+        holder = RunLock(out).holder()
+        if holder is not None:
+            raise RunFolderLocked(
+                f"out_dir {out} is being written by a run that is still going ({RunLock.describe(holder)}); choose another out_dir"
+            )
+        raise ConfigError(
+            f"out_dir {out} already holds files; pass output.resume={out} to continue that run, or choose another out_dir"
+        )
+    cfg.output.out_dir = str(out)
+    return out, -1
+
+
+def run(cfg: RunConfig, *, on_round: Optional[Callable[[dict[str, Any]], None]] = None) -> RunResult:
+    """Run (or resume) one federation and write its outputs. Returns the paper-format summary.
+
+    The run holds out_dir's lock throughout (one writer per folder); a resume first checks that every
+    checkpoint of the last completed round loads, falling back to the round before when one does not."""
+    out_dir, done = resolve_out_dir(cfg)
+    with RunLock(out_dir):
+        done = StateStore(out_dir).resumable_round(done)
+        return _run(cfg, out_dir, done, on_round)
+
+
+def _run(cfg: RunConfig, out_dir: Path, done: int, on_round: Optional[Callable[[dict[str, Any]], None]]) -> RunResult:
+    method, backend, logger, hparams = _start(cfg, out_dir, done)
+    info = {"method": cfg.method, **backend.info}
+    store = StateStore(out_dir)
+    evals = eval_rounds(cfg.train.rounds, cfg.eval.every, cfg.eval.last)
+    extra = metric_columns(method)
+    rows: list[dict[str, Any]] = []
+    bar = _progress_bar(cfg, done)
+    try:
+        for r in range(done + 1, cfg.train.rounds):
+            row, client_rows = _one_round(cfg, backend, r, evaluate=r in evals, extra=extra)
+            logger.log_round(row, client_rows)
+            store.mark_complete(r)
+            rows.append(row)
+            if on_round is not None:
+                on_round(row)
+            if bar is not None:
+                bar.update(1)
+                if math.isfinite(row["hm"]):
+                    bar.set_postfix(inn=f"{row['in_client']:.3f}", cross=f"{row['cross_client']:.3f}", hm=f"{row['hm']:.3f}")
+    finally:
+        if bar is not None:
+            bar.close()
+        backend.shutdown()
+    return _finish(cfg, out_dir, logger, hparams, rows, info)
+
+
+def _start(cfg: RunConfig, out_dir: Path, done: int) -> tuple[Any, Any, RunLogger, dict[str, Any]]:
+    """The method, the data (which fails before anything is written), config.yaml, the logger and the backend."""
+    from raysim.engine.backends import BACKENDS
+    from raysim.engine.hosts import make_method
+
+    method = make_method(cfg)
+    from raysim.privacy.mechanisms import warnings_for
+
+    for line in warnings_for(method, cfg.dp):  # e.g. a reference code's noise that is not a valid guarantee
+        log.warning(line)
+    if done >= cfg.train.rounds - 1:
+        log.info("run %s already completed %d rounds", out_dir, done + 1)
+    data = prepare_data(cfg, method.needs(), progress=cfg.output.progress)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.yaml").write_text(cfg.to_yaml())
+    hparams = flat_config(cfg)
+    logger = RunLogger(out_dir, tensorboard=cfg.output.tensorboard, hparams=hparams, extra_columns=metric_columns(method))
+    logger.resume_at(done)
+    backend = BACKENDS[cfg.execution.backend](cfg, data, str(out_dir), done)
+    devices = " ".join(backend.info.get("devices", ["cpu"]))
+    if cfg.execution.client_gpus > 0 and cfg.execution.backend != "ray" and "cuda" not in devices:  # ray says it itself
+        log.warning("client_gpus=%s but no GPU is visible: running on CPU", cfg.execution.client_gpus)
+    return method, backend, logger, hparams
+
+
+def _progress_bar(cfg: RunConfig, done: int) -> Any:
+    if not cfg.output.progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=cfg.train.rounds, initial=done + 1, desc=f"{cfg.method} rounds", unit="round")
+
+
+def _one_round(
+    cfg: RunConfig, backend: Any, r: int, *, evaluate: bool, extra: tuple[str, ...]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Train, aggregate, (evaluate,) commit round r; its results.csv row and client_results.csv rows."""
+    t0 = time.perf_counter()
+    part = participants(cfg.train.seed, r, cfg.train.num_clients, cfg.train.participation)
+    reports, stats = backend.train_round(r, part)  # raises ClientFailure per on_client_error / min_clients
+    dropped = [x for x in reports if x.dropped]
+    for x in dropped:
+        log.warning("round %d: client %d dropped (on_client_error=drop): %s", r, x.client_id, x.error)
+    client_rows: list[dict[str, Any]] = []
+    acc_in = acc_cross = hm = math.nan
+    if evaluate:  # all clients, or eval.clients of them: the same seeded sample every evaluated round
+        sample = eval_clients(cfg.train.seed, cfg.train.num_clients, cfg.eval.clients)
+        client_rows = [{"round": r, **row} for row in backend.evaluate(None if len(sample) == cfg.train.num_clients else sample)]
+        acc_in = mean_of_defined([c["in_client"] for c in client_rows])
+        acc_cross = mean_of_defined([c["cross_client"] for c in client_rows])  # nan with one client
+        hm = harmonic_mean(acc_in, acc_cross)
+    backend.commit(r)
+    losses = [x.loss for x in reports if math.isfinite(x.loss)]
+    eps = [x.epsilon for x in reports]
+    row = {
+        "round": r,
+        "in_client": acc_in,
+        "cross_client": acc_cross,
+        "hm": hm,
+        "train_loss": float(np.mean(losses)) if losses else math.nan,
+        "bytes_up": int(stats["bytes_up"]),
+        "bytes_down": int(stats["bytes_down"]),
+        "epsilon_max": float(max(eps)) if eps and all(math.isfinite(e) for e in eps) else math.nan,
+        "participants": len(part),
+        "dropped": len(dropped),
+        "eval_clients": len(client_rows) if evaluate else math.nan,
+        "seconds": time.perf_counter() - t0,
+        **round_metrics(reports, stats.get("server_metrics", {}), extra),
+    }
+    return row, client_rows
+
+
+def _finish(cfg: RunConfig, out_dir: Path, logger: RunLogger, hparams: dict[str, Any], rows: list[dict[str, Any]],
+            info: dict[str, Any]) -> RunResult:
+    from raysim.engine.evaluation import PROTOCOLS
+
+    protocol = PROTOCOLS.get(cfg.eval.protocol)  # the protocol says how a run is summarised
+    summary = protocol.summarize(out_dir, last=max(1, cfg.eval.last))
+    logger.close(final_metrics=summary, hparams=hparams)
+    title = f"{cfg.method} on {cfg.data.dataset} ({cfg.data.partition}, {cfg.train.num_clients} clients)"
+    evaluated = len(eval_clients(cfg.train.seed, cfg.train.num_clients, cfg.eval.clients))
+    sampled = (f"a sample of {evaluated} of the {cfg.train.num_clients} clients (eval.clients={cfg.eval.clients}, drawn once from "
+               f"train.seed={cfg.train.seed}), each scored among the sampled clients" if evaluated < cfg.train.num_clients
+               else f"all {evaluated} clients")
+    text = protocol.markdown(cfg.method, summary, title=title) + f"Evaluated per evaluated round: {sampled}.\n"
+    (out_dir / "summary.md").write_text(text)
+    return RunResult(out_dir, summary, rows, {**info, "eval_clients": evaluated})

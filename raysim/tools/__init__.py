@@ -1,0 +1,1 @@
+"""The tools on top of the engine: run, sweep, compare, audit, privacy CLI, pretraining."""
