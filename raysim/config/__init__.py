@@ -292,6 +292,47 @@ def _build_dataclass(cls: type, values: Mapping[str, Any], prefix: str = "") -> 
     return cls(**kwargs)
 
 
+def set_dotted(d: dict[str, Any], key: str, value: Any) -> None:
+    """`set_dotted(d, "dp.vpp.rho", 0.3)`: d["dp"]["vpp"]["rho"] = 0.3, making the sections on the way."""
+    parts = key.split(".")
+    node = d
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{key}: {p} is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def get_dotted(d: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    """The value at a dotted key of a nested mapping, or `default` when any part is missing."""
+    node: Any = d
+    for p in key.split("."):
+        if not isinstance(node, Mapping) or p not in node:
+            return default
+        node = node[p]
+    return node
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """{"train.rounds": 5} -> {"train": {"rounds": 5}}."""
+    out: dict[str, Any] = {}
+    for k, v in flat.items():
+        set_dotted(out, k, v)
+    return out
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"train": {"rounds": 5}} -> {"train.rounds": 5} (every leaf under its dotted key)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def parse_overrides(items: list[str]) -> dict[str, Any]:
     """`["a=1", "dp.epsilon=inf"]` -> nested dict with YAML-typed values."""
     out: dict[str, Any] = {}
@@ -306,13 +347,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             value = yaml.safe_load(raw) if raw.strip() != "" else ""
         except yaml.YAMLError:
             value = raw
-        node = out
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"{key}: {p} is not a section")
-        node[parts[-1]] = value
+        set_dotted(out, key, value)
     return out
 
 

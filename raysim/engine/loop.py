@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 import numpy as np
 
-from raysim.config import RunConfig, build_config, load_yaml
+from raysim.config import RunConfig, build_config, flatten, load_yaml
 from raysim.data.federation import FederationData
 from raysim.errors import ConfigError, RunFolderLocked
 from raysim.metrics import RunLogger, harmonic_mean, summary_table
@@ -155,7 +155,7 @@ def mean_of_defined(values: list[float]) -> float:
 
 def flat_config(cfg: RunConfig) -> dict[str, Any]:
     """The config as one level of `key` / `section.key` entries (TensorBoard hparams, sweep tables)."""
-    return _dotted(cfg.to_dict())
+    return flatten(cfg.to_dict())
 
 
 def materialize_images(images) -> "torch.Tensor":
@@ -177,7 +177,7 @@ def resume_config(run_dir: str | Path, overrides: Optional[dict[str, Any]] = Non
     saved_cfg = build_config(load_yaml(run_dir / "config.yaml"))  # a flat config.yaml of the previous release moves too
     saved, allowed = flat_config(saved_cfg), saved_cfg.resumable_keys()
     overrides = move_flat_keys(dict(overrides or {}))
-    changed = {k: v for k, v in _dotted(overrides).items() if saved.get(k) != v}
+    changed = {k: v for k, v in flatten(overrides).items() if saved.get(k) != v}
     bad = sorted(k for k in changed if k not in allowed)
     if bad:
         raise ConfigError(
@@ -187,16 +187,6 @@ def resume_config(run_dir: str | Path, overrides: Optional[dict[str, Any]] = Non
     cfg = build_config(merge_config(saved_cfg.to_dict(), overrides))
     cfg.output.resume = cfg.output.out_dir = str(run_dir)
     return cfg
-
-
-def _dotted(d: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update({f"{k}.{kk}": vv for kk, vv in v.items()})
-        else:
-            out[k] = v
-    return out
 
 
 def resolve_out_dir(cfg: RunConfig) -> tuple[Path, int]:

@@ -65,16 +65,6 @@ class CompareSpec:
         return [dict(zip(keys, values)) for values in itertools.product(*(self.grid[k] for k in keys))] or [{}]
 
 
-def nested(key: str, value: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    node = out
-    parts = key.split(".")
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-    node[parts[-1]] = value
-    return out
-
-
 def parse_entry(text: str) -> Entry:
     """`fedsept:rank=8;variant=wo_r` -> Entry(label=text, method=fedsept, overrides={fedsept: {...}})."""
     from raysim.config import deep_merge, parse_overrides
@@ -160,11 +150,11 @@ def cell_label(cell: dict[str, Any]) -> str:
 
 
 def run_values(spec: CompareSpec, entry: Entry, cell: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    from raysim.config import merge_config
+    from raysim.config import merge_config, unflatten
 
     values = merge_config(spec.setting, {"method": entry.method})
     for k, v in cell.items():
-        values = merge_config(values, nested(k, v))
+        values = merge_config(values, unflatten({k: v}))
     values = merge_config(values, entry.overrides)
     extra: dict[str, Any] = {"output": {"out_dir": str(out_dir), "progress": False}}
     if spec.rounds:

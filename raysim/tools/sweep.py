@@ -36,7 +36,17 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 if TYPE_CHECKING:
     import pandas
 
-from raysim.config import RunConfig, build_config, load_yaml, merge_config, move_flat_keys, parse_overrides
+from raysim.config import (
+    RunConfig,
+    build_config,
+    get_dotted,
+    load_yaml,
+    merge_config,
+    move_flat_keys,
+    parse_overrides,
+    set_dotted,
+    unflatten,
+)
 from raysim.engine.cluster import init_ray, plan_hosts
 from raysim.errors import ConfigError
 
@@ -65,26 +75,6 @@ TABLE_METRICS = ("in_client", "cross_client", "hm", "epsilon_spent", "rounds_don
 def _did_you_mean(key: str, choices: Sequence[str]) -> str:
     hint = difflib.get_close_matches(key, list(choices), n=1)
     return f" Did you mean {hint[0]!r}?" if hint else ""
-
-
-def _set_dotted(d: dict[str, Any], key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = d
-    for p in parts[:-1]:
-        nxt = node.setdefault(p, {})
-        if not isinstance(nxt, dict):
-            raise ConfigError(f"space key {key!r}: {p} is not a section")
-        node = nxt
-    node[parts[-1]] = value
-
-
-def _get_dotted(d: Mapping[str, Any], key: str, default: Any = None) -> Any:
-    node: Any = d
-    for p in key.split("."):
-        if not isinstance(node, Mapping) or p not in node:
-            return default
-        node = node[p]
-    return node
 
 
 def _number(v: Any, what: str) -> float:
@@ -174,7 +164,7 @@ def _check_dimension(base: Mapping[str, Any], key: str, dist: Any) -> dict[str, 
         values = _check_range(key, kind, values)
     for v in values:  # every value must make a valid config (unknown key, wrong type, out of range)
         trial = merge_config(base, {})
-        _set_dotted(trial, key, v)
+        set_dotted(trial, key, v)
         try:
             build_config(trial)
         except ConfigError as e:
@@ -264,7 +254,7 @@ def _trial_grid(base: Mapping[str, Any], space: Mapping[str, Mapping[str, list[A
     for combo in itertools.product(*[_space_values(space, k) for k in keys]):
         values = merge_config(copy.deepcopy(dict(base)), {})  # each corner its own nested sections
         for k, v in zip(keys, combo):
-            _set_dotted(values, k, v)
+            set_dotted(values, k, v)
         out.append(values)
         if len(out) >= 256:
             break
@@ -290,13 +280,6 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any
 
 # --------------------------------------------------------------------------------------------
 # resources
-
-def _flat_to_nested(flat: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in flat.items():
-        _set_dotted(out, k, v)
-    return out
-
 
 def trial_bundles(values: Mapping[str, Any], *, has_gpu: bool = True,
                   cluster: Optional[Mapping[str, float]] = None) -> list[dict[str, float]]:
@@ -350,7 +333,7 @@ def federation(config: dict[str, Any], *, base: dict[str, Any], experiment_path:
 
     trial_dir = Path(experiment_path) / Path(tune.get_context().get_trial_dir()).name
     run_dir = trial_dir / "run"
-    values = merge_config(base, _flat_to_nested(config))
+    values = merge_config(base, unflatten(config))
     if (run_dir / "config.yaml").is_file():  # restored trial: continue the federation where it stopped
         cfg = resume_config(run_dir, {"output": {"progress": False}})
     else:
@@ -497,7 +480,7 @@ def _tuner(spec: Mapping[str, Any], base: dict[str, Any], base_cfg: RunConfig, s
     max_concurrent = _concurrency(spec, base, base_cfg, cluster)
 
     def resources(config: dict[str, Any]):
-        values = merge_config(base, _flat_to_nested(config))
+        values = merge_config(base, unflatten(config))
         return tune.PlacementGroupFactory(trial_bundles(values, has_gpu=has_gpu, cluster=cluster))
 
     trainable = tune.with_resources(
@@ -557,12 +540,12 @@ def trials_table(grid, spec: Mapping[str, Any]) -> "pandas.DataFrame":
             except Exception:  # noqa: BLE001 - an empty results.csv of a trial that failed in round 0
                 pass
         row.update({k: summary.get(k, math.nan) for k in ("in_client", "cross_client", "hm")})
-        dp_eps = _get_dotted(merge_config(spec["base"], _flat_to_nested(cfg_flat)), "dp.epsilon", math.inf)
+        dp_eps = get_dotted(merge_config(spec["base"], unflatten(cfg_flat)), "dp.epsilon", math.inf)
         eps = m.get("epsilon_spent", math.nan)
         row["epsilon_spent"] = math.inf if not math.isfinite(_yaml_float(dp_eps)) else eps
         row["rounds_done"] = rounds_done
         row["wall_s"] = float(m.get("time_total_s", math.nan))
-        rounds = _get_dotted(merge_config(spec["base"], _flat_to_nested(cfg_flat)), "train.rounds", 10)
+        rounds = get_dotted(merge_config(spec["base"], unflatten(cfg_flat)), "train.rounds", 10)
         row["status"] = "error" if result.error else ("completed" if rounds_done >= int(rounds) else "stopped")
         row["out_dir"] = str(run_dir)
         rows.append(row)
