@@ -125,7 +125,7 @@ def main(argv=None) -> int:
 
     logging.basicConfig(level=logging.WARNING)
     if args.prestart:
-        from raysim.engine.loop import cluster
+        from raysim.engine import cluster
 
         cluster.LOCAL_SYSTEM_CONFIG.clear()
     tmp = Path(tempfile.mkdtemp(prefix="raysim-startup-"))

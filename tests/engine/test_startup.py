@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from raysim.engine.loop import cluster
+from raysim.engine import cluster
 from raysim.errors import ConfigError
 
 
