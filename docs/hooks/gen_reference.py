@@ -170,13 +170,13 @@ def config_markdown() -> str:
 
 # ------------------------------------------------------------------------------------------ methods
 def family_of(cls: type) -> str:
-    """The paper family from the module path: methods/<paper>/<name>.py, or the flat layout's file."""
+    """The paper family from the module path, methods/<paper>/<name>.py; "flat" for the layout before it."""
     parts = cls.__module__.split(".")
     inner = parts[2:-1] if parts[:2] == ["raysim", "methods"] else []
     for p in inner:
         if p in FAMILIES:
             return p
-    return "/".join(inner) if inner else "-"
+    return "/".join(inner) if inner else "flat"
 
 
 def _source_path(cls: type) -> str:
