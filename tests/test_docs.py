@@ -143,3 +143,23 @@ def test_docs_point_nowhere_outside_the_repository():
             path = target.split("#", 1)[0]
             if path:
                 assert (page.parent / path).resolve().is_relative_to(DOCS.resolve()), f"{page}: {target}"
+
+
+def test_family_and_source_come_from_the_module_path(gen):
+    class Target:
+        pass
+
+    Target.__module__ = "raysim.methods.fedsept.promptfl"  # the target layout: methods/<paper>/<name>.py
+    assert gen.family_of(Target) == "fedsept" and gen._source_path(Target) == "methods/fedsept/promptfl.py"
+    Target.__module__ = "raysim.methods.promptfl"  # the flat layout before it
+    assert gen.family_of(Target) == "flat" and gen._source_path(Target) == "methods/promptfl.py"
+
+
+def test_registries_are_found_on_either_layout(gen):
+    found = gen._import_first(("raysim.no_such_module", "SECTIONS"), ("raysim.registry", "Registry"))
+    from raysim.registry import Registry
+
+    assert found is Registry
+    with pytest.raises(ImportError):
+        gen._import_first(("raysim.no_such_module", "X"))
+    assert _mkdocs_config()["hooks"] == ["docs/hooks/gen_reference.py"]
