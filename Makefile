@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run lint test clean
+.PHONY: setup run lint test docs clean
 
 $(BIN)/.installed: requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ lint: setup
 
 test: setup lint
 	$(BIN)/python -m pytest tests
+
+# the documentation site (docs/, mkdocs.yml); the reference pages are generated from the code
+docs: setup
+	$(BIN)/mkdocs build --strict -d build/site
 
 clean:
 	rm -rf $(VENV) build *.egg-info
