@@ -27,9 +27,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from raysim import pretrain as pt  # noqa: E402
 from raysim.data import synthetic as syn  # noqa: E402
 from raysim.models import bundled  # noqa: E402
+from raysim.tools import pretrain as pt  # noqa: E402
 
 TEMPLATE = "a photo of a {}."
 CTX_INIT = "a photo of a"

@@ -6,7 +6,8 @@ import warnings
 import pytest
 
 from raysim.errors import ConfigError, PrivacyBudgetExceeded
-from raysim.privacy import PrivacyLedger, Release, cli, epsilon_spent, gaussian_rdp_sigma, noise_multiplier
+from raysim.privacy import PrivacyLedger, Release, epsilon_spent, gaussian_rdp_sigma, noise_multiplier
+from raysim.tools import privacy_cli as cli
 
 
 @pytest.mark.parametrize(
