@@ -113,7 +113,7 @@ def test_smoke_sweep_2x2(ray_session, tmp_path, cache_dir):
     md = (exp / "trials.md").read_text()
     assert md.count("| completed |") == 4 and "HM" in md
     for key in ("data.beta", "train.seed"):
-        png = exp / f"hm_vs_{key}.png"
+        png = exp / f"hm_vs_{key.replace('.', '_')}.png"
         assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # each trial's federation wrote the plain-run layout inside its trial folder, TensorBoard included
     for out_dir in df["out_dir"]:
