@@ -23,8 +23,17 @@ run: setup
 # mypy sees methods/ and privacy/ where they are installed (raysim.methods, raysim.privacy) through a link tree
 TYPECHECK := build/typecheck
 
+# import-linter (contracts in pyproject.toml) reads the installed graph the same way: a link tree where methods/,
+# privacy/ and attacks/ sit at raysim.methods, raysim.privacy, raysim.attacks (run from the repository root it would
+# see raysim/ alone); imports inside functions count
+IMPORTGRAPH := build/importgraph
+
 lint: setup
 	$(BIN)/ruff check raysim methods privacy attacks benchmarks tests
+	rm -rf $(IMPORTGRAPH) && mkdir -p $(IMPORTGRAPH)/raysim
+	for e in raysim/*; do ln -s "$(CURDIR)/$$e" $(IMPORTGRAPH)/raysim/; done
+	for p in methods privacy attacks; do ln -s "$(CURDIR)/$$p" $(IMPORTGRAPH)/raysim/$$p; done
+	cd $(IMPORTGRAPH) && $(CURDIR)/$(BIN)/lint-imports --no-cache $(CURDIR)/pyproject.toml
 	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/raysim
 	for e in raysim/*; do ln -s "$(CURDIR)/$$e" $(TYPECHECK)/raysim/; done
 	ln -s "$(CURDIR)/methods" $(TYPECHECK)/raysim/methods && ln -s "$(CURDIR)/privacy" $(TYPECHECK)/raysim/privacy

@@ -289,7 +289,8 @@ def final_model_logits(
     """Logits of each client's final personalised model on its rows `rows[client]` of the training set
     (or of the test set where `in_test[client]`, a bool mask over those rows, is set), from the checkpoints
     of the last completed round; a client that never took part has its initial private state."""
-    from raysim.engine.hosts import broadcast_state, env_spec, initial_private, make_method
+    from raysim.config.checks import make_method
+    from raysim.engine.hosts import broadcast_state, env_spec, initial_private
     from raysim.storage.store import StateStore
 
     method = make_method(cfg)
@@ -328,8 +329,8 @@ def audit_run(
     "own_test" (the target's own test samples of its classes; see the module docstring)."""
     import pandas as pd
 
-    from raysim.config import build_config, load_yaml
-    from raysim.engine.hosts import make_method
+    from raysim.config import load_yaml
+    from raysim.config.checks import build_config, make_method
     from raysim.engine.loop import prepare_data
     from raysim.metrics import summarize
 

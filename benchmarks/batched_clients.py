@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def config(tmp: Path, tag: str, clients: int, per_round: int, rounds: int, **execution):
-    from raysim.config import build_config
+    from raysim.config.checks import build_config
 
     return build_config({
         "method": "promptfl",
@@ -43,7 +43,8 @@ def plain_loop(cfg) -> list[float]:
     """The same client and server code in one process: no hosts, privacy handles, checkpoints or logs."""
     import torch
 
-    from raysim.engine.hosts import env_spec, make_method
+    from raysim.config.checks import make_method
+    from raysim.engine.hosts import env_spec
     from raysim.engine.loop import prepare_data
     from raysim.methods import Upload
     from raysim.privacy import NoDP

@@ -24,7 +24,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def plain_loop(cfg, rounds: int) -> list[float]:
     import torch
 
-    from raysim.engine.hosts import env_spec, make_method
+    from raysim.config.checks import make_method
+    from raysim.engine.hosts import env_spec
     from raysim.engine.loop import prepare_data
     from raysim.methods import ClientData, Upload
     from raysim.privacy import NoDP
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--partition", default="iid")
     args = ap.parse_args(argv)
 
-    from raysim.config import build_config
+    from raysim.config.checks import build_config
 
     tmp = Path(tempfile.mkdtemp(prefix="raysim-bench-"))
     common = dict(

@@ -32,8 +32,8 @@ def _setup(role: str):
     if role not in _cache:
         import torch
 
-        from raysim.config import build_config
-        from raysim.engine.hosts import env_spec, make_method
+        from raysim.config.checks import build_config, make_method
+        from raysim.engine.hosts import env_spec
         from raysim.engine.loop import prepare_data
 
         benchlib.register_bench_model()

@@ -122,7 +122,7 @@ def run_ray(spec: dict, sizes: list[int]) -> dict[int, dict[str, Any]]:
     import benchlib
     import ray
 
-    from raysim.config import build_config
+    from raysim.config.checks import build_config
     from raysim.engine.loop import run
 
     os.environ["PYTHONPATH"] = benchlib.bench_pythonpath()  # the actors import benchlib (the setup hook)
@@ -161,8 +161,8 @@ def run_plain(spec: dict, sizes: list[int]) -> dict[int, dict[str, Any]]:
     import benchlib
     import torch
 
-    from raysim.config import build_config
-    from raysim.engine.hosts import env_spec, initial_private, make_method
+    from raysim.config.checks import build_config, make_method
+    from raysim.engine.hosts import env_spec, initial_private
     from raysim.engine.loop import prepare_data
     from raysim.methods import Upload
     from raysim.privacy import NoDP

@@ -82,7 +82,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-    from raysim.config import build_config, merge_config, parse_overrides
+    from raysim.config import merge_config, parse_overrides
+    from raysim.config.checks import build_config
     from raysim.engine.loop import run
     from raysim.metrics import markdown_table
 

@@ -92,8 +92,8 @@ def _channel(fd: int) -> tuple[Callable[[dict], None], Callable[[], None]]:
 def worker_plain(spec: dict, report, wait) -> None:
     import torch
 
-    from raysim.config import build_config
-    from raysim.engine.hosts import env_spec, initial_private, make_method
+    from raysim.config.checks import build_config, make_method
+    from raysim.engine.hosts import env_spec, initial_private
     from raysim.engine.loop import prepare_data
     from raysim.methods import Upload
     from raysim.privacy import NoDP
@@ -127,7 +127,8 @@ def worker_plain(spec: dict, report, wait) -> None:
 
 
 def worker_engine(spec: dict, report, wait, backend: str) -> None:
-    from raysim.config import build_config, merge_config
+    from raysim.config import merge_config
+    from raysim.config.checks import build_config
     from raysim.engine.loop import run
     from raysim.storage.store import StateStore
 
@@ -295,8 +296,8 @@ def main(argv=None) -> int:
     import benchlib
 
     benchlib.register_bench_model()
-    from raysim.config import build_config, merge_config
-    from raysim.engine.hosts import make_method
+    from raysim.config import merge_config
+    from raysim.config.checks import build_config, make_method
     from raysim.engine.loop import prepare_data
 
     tmp = Path(tempfile.mkdtemp(prefix="raysim-vs-flower-"))

@@ -31,6 +31,7 @@ from typing import Any, Callable, ClassVar, Iterator, Optional, Protocol, Sequen
 import torch
 from torch import Tensor
 
+from raysim.config.schema import DPConfig, TrainConfig
 from raysim.data.client import ClientData
 from raysim.privacy.mechanisms import ReleaseSpec
 from raysim.registry import Registry
@@ -39,24 +40,6 @@ from raysim.registry import Registry
 @dataclass
 class NoOptions:
     """A method without knobs of its own."""
-
-
-@dataclass
-class TrainConfig:
-    """The run's `train` section: the federated schedule and local optimisation. Methods receive this
-    section of the run's config itself (`self.train`)."""
-
-    local_epochs: int = 1
-    batch_size: int = 32
-    lr: float = 0.01  # client SGD of the prompt methods (the papers use 0.001-0.002 with ViT-B/16)
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    n_ctx: int = 4  # learned context tokens of the CoOp prompt (the papers use 16)
-    ctx_init: str = "a photo of a"  # PromptFL starts its context from this phrase; "" = random N(0, 0.02^2)
-    rounds: int = field(default=10, metadata={"resume": True})  # may grow on resume, to extend a run
-    num_clients: int = 10
-    participation: float = 1.0  # fraction of clients sampled per round, in (0, 1]
-    seed: int = 1  # one seed for the partition, client sampling and every per-(round, client) stream
 
 
 @dataclass
@@ -160,8 +143,6 @@ class Method:
         cls.uploads = tuple(cls.releases)
 
     def __init__(self, train: TrainConfig, options: Any, dp: Any = None) -> None:
-        from raysim.config import DPConfig
-
         self.train = train
         self.opts = options
         self.dp = dp if dp is not None else DPConfig()  # the run's local-DP target (read-only, public)

@@ -193,18 +193,18 @@ class VPP(Mechanism):
     clipped = "each feature's top-k and rest groups to R sqrt(d_A/d) and R sqrt(d_B/d) (R = dp.proto_clip)"
     sensitivity = "2R / n_c per class mean, split 2R kappa_A / n_c on I_A and 2R kappa_B / n_c on I_B"
     relation = "replace one example by another of the same class (per-class counts are public)"
-    accountant = ("Laplace top-k partition, pure (dp.vpp_split x epsilon over the run), plus Gaussian with the "
+    accountant = ("Laplace top-k partition, pure (dp.vpp.split x epsilon over the run), plus Gaussian with the "
                   "group noise reallocated at equal RDP (q = 1, one release per participation)")
 
     def planned(self, *, num_train: int, steps_per_round: int, batch_size: int) -> Planned:
-        return Planned(q=1.0, steps=1, pure_share=self.dp.vpp_split)
+        return Planned(q=1.0, steps=1, pure_share=self.dp.vpp.split)
 
     def apply(self, features: Tensor, labels: Tensor, num_classes: int, *, multiplier: float,
               generator: torch.Generator, rounds: int, assignments: Optional[Tensor] = None) -> tuple[Tensor, dict[str, float]]:
         from .prototypes import stack_centres, vpp_release
 
-        out = vpp_release(features, labels, R=self.dp.proto_clip, rho=self.dp.vpp_rho, H=self.dp.vpp_H,
-                          epsilon=self.dp.epsilon, rounds=rounds, delta=self.dp.delta, r_split=self.dp.vpp_split,
+        out = vpp_release(features, labels, R=self.dp.proto_clip, rho=self.dp.vpp.rho, H=self.dp.vpp.H,
+                          epsilon=self.dp.epsilon, rounds=rounds, delta=self.dp.delta, r_split=self.dp.vpp.split,
                           generator=generator, num_classes=num_classes, sigma_ref=multiplier,
                           centres="mean" if assignments is None else "cluster", assignments=assignments)
         protos = _dense(out["prototypes"], num_classes, features) if assignments is None else stack_centres(out["prototypes"])
@@ -310,7 +310,7 @@ def resolve_all(releases: dict[str, ReleaseSpec], dp: Any, *, method: str) -> di
 def check_method(method: Any, dp: Any) -> None:
     """Config-time check: every upload `method` declares can be released privately under `dp`, and a
     prototype mechanism other than the default is only chosen for a method that releases prototypes."""
-    from raysim.config import DPConfig
+    from raysim.config.schema import DPConfig
 
     if dp.enabled and dp.prototypes != DPConfig.prototypes and not any(s.kind == "prototype" for s in method.releases.values()):
         raise ConfigError(

@@ -57,7 +57,8 @@ def ray_session():
 def tiny_config(tmp_path, cache_dir: str, **overrides):
     """A small, fast PromptFL federation on digits (the engine's default path). Overrides may use the
     sections (`train={"rounds": 2}`) or the previous release's flat keys (`rounds=2`)."""
-    from raysim.config import build_config, merge_config
+    from raysim.config import merge_config
+    from raysim.config.checks import build_config
 
     values = {
         "method": "promptfl",
@@ -76,7 +77,7 @@ def run_on_digits(tmp_path, method, section, *, tag=None, rounds=2, clients=4):
     text side); returns the RunResult and the rows of client_results.csv."""
     import csv
 
-    from raysim.config import build_config
+    from raysim.config.checks import build_config
     from raysim.engine.loop import run
 
     cfg = build_config({

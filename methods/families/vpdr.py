@@ -10,14 +10,14 @@ The privacy knob `<method>.privacy` (SPEC 3.2-3.3; vpdr.txt Table 1 and the abla
 
     none   no LDP (dp.epsilon must be inf); plain prototypes
     igpp   IGPP: per-example L2 clip to R = dp.proto_clip, class mean, isotropic Gaussian (the paper's Eq. 4-6)
-    vpp    VPP only: private top-k partition (dp.vpp_split x epsilon) + group clipping + reallocated noise
+    vpp    VPP only: private top-k partition (dp.vpp.split x epsilon) + group clipping + reallocated noise
     dcr    DCR only: IGPP releases, DCR local training
     vpdr   VPP + DCR (the paper's method)
     auto   (default) none when dp.epsilon is inf, else the mechanism dp.prototypes names, without DCR
 
 Mapped onto the host: the method's `dp` is the run's with `prototypes` set to igpp or vpp (the engine
 resolves this method's releases with `method.dp`); every release is the host's, into the client's ledger.
-VPP's constants are the run's dp section (dp.vpp_rho = the paper's rho in (0, 0.5], dp.vpp_H, dp.vpp_split,
+VPP's constants are the run's dp section (dp.vpp.rho = the paper's rho in (0, 0.5], dp.vpp.H, dp.vpp.split,
 dp.proto_clip = R); DCR's are this section's (soft_clip_gamma, expand, ema_beta, kd_tau, kd_weight, warmup).
 
 DCR (SPEC 3.3): z_hat = soft_clip(z) (shrink-only by default; `expand=true` is the paper's Eq. 15) feeds

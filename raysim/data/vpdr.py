@@ -36,7 +36,7 @@ from typing import Any, Optional
 import numpy as np
 from torch.utils.data import ConcatDataset
 
-from raysim.data import synthetic as syn
+import raysim.data.synthetic as syn
 from raysim.data.base import DatasetBundle, ImageSet, LoadSpec, register_dataset
 from raysim.data.folders import IMG_EXTENSIONS, ImageItems, make_signature, make_transform
 from raysim.data.partition import PARTITIONERS, ClientSplit, PartitionSpec

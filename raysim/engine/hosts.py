@@ -26,9 +26,10 @@ from typing import Any, Optional
 import torch
 
 from raysim.config import RunConfig, keeps_all_client_states
+from raysim.config.checks import make_method
 from raysim.data.federation import ClientSlices, FederationData
 from raysim.errors import ClientFailure, RaysimError, UploadViolation
-from raysim.methods import ClientData, EnvSpec, Method, Upload, get_method
+from raysim.methods import ClientData, EnvSpec, Method, Upload
 from raysim.methods.base import ServerResult
 from raysim.sampling import generator, schedule
 from raysim.storage.store import StateStore
@@ -47,11 +48,6 @@ class ClientReport:
     metrics: dict[str, float] = field(default_factory=dict)
     dropped: bool = False  # its local training failed (raised, non-finite upload, past client_timeout): no upload
     error: str = ""  # what went wrong, when dropped
-
-
-def make_method(cfg: RunConfig) -> Method:
-    cls = get_method(cfg.method)
-    return cls(cfg.train, cfg.method_options(), cfg.dp)  # the run's train section itself
 
 
 def env_spec(cfg: RunConfig, classnames: list[str]) -> EnvSpec:

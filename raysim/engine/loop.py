@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 import numpy as np
 
-from raysim.config import RunConfig, build_config, flatten, load_yaml
+from raysim.config import RunConfig, flatten, load_yaml
+from raysim.config.checks import build_config
 from raysim.data.federation import FederationData
 from raysim.errors import ConfigError, RunFolderLocked
 from raysim.metrics import RunLogger, harmonic_mean, summary_table
@@ -168,15 +169,16 @@ def materialize_images(images) -> "torch.Tensor":
 
 def resume_config(run_dir: str | Path, overrides: Optional[dict[str, Any]] = None) -> RunConfig:
     """The config of the run in `run_dir`, with resumable keys (field metadata: execution, output,
-    data.data_root, train.rounds to extend a run) overridden; any other change is refused."""
-    from raysim.config import merge_config, move_flat_keys
+    data.data_root, train.rounds to extend a run) overridden; any other change is refused. `overrides` are
+    sectioned (`{"output": {"progress": False}}`; the command line's have been through the flat-key shim)."""
+    from raysim.config import merge_config
 
     run_dir = Path(run_dir).expanduser()
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"output.resume={run_dir}: no config.yaml there; pass the out_dir of an earlier run")
     saved_cfg = build_config(load_yaml(run_dir / "config.yaml"))  # a flat config.yaml of the previous release moves too
     saved, allowed = flat_config(saved_cfg), saved_cfg.resumable_keys()
-    overrides = move_flat_keys(dict(overrides or {}))
+    overrides = dict(overrides or {})
     changed = {k: v for k, v in flatten(overrides).items() if saved.get(k) != v}
     bad = sorted(k for k in changed if k not in allowed)
     if bad:
@@ -254,8 +256,8 @@ def _run(cfg: RunConfig, out_dir: Path, done: int, on_round: Optional[Callable[[
 
 def _start(cfg: RunConfig, out_dir: Path, done: int) -> tuple[Any, Any, RunLogger, dict[str, Any]]:
     """The method, the data (which fails before anything is written), config.yaml, the logger and the backend."""
+    from raysim.config.checks import make_method
     from raysim.engine.backends import BACKENDS
-    from raysim.engine.hosts import make_method
 
     method = make_method(cfg)
     from raysim.privacy.mechanisms import warnings_for

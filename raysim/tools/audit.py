@@ -113,8 +113,8 @@ class RunView:
 
     @classmethod
     def open(cls, run_dir: str | Path) -> "RunView":
-        from raysim.config import build_config, load_yaml
-        from raysim.engine.hosts import make_method
+        from raysim.config import load_yaml
+        from raysim.config.checks import build_config, make_method
 
         run_dir = Path(run_dir).expanduser()
         if not (run_dir / "config.yaml").is_file():

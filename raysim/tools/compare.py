@@ -84,7 +84,9 @@ def entry_from(item: Any) -> Entry:
         return parse_entry(item)
     if isinstance(item, dict) and "method" in item:
         rest = {k: v for k, v in item.items() if k not in ("label", "method")}
-        return Entry(label=str(item.get("label", item["method"])), method=str(item["method"]), overrides=rest)
+        from raysim.config import move_flat_keys
+
+        return Entry(label=str(item.get("label", item["method"])), method=str(item["method"]), overrides=move_flat_keys(rest))
     raise ConfigError(f"methods: each entry is 'name[:key=value;...]' or a mapping with 'method' (and 'label'); got {item!r}")
 
 
@@ -101,7 +103,7 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
 
 
 def spec_from_args(argv: Sequence[str]) -> tuple[CompareSpec, argparse.Namespace]:
-    from raysim.config import deep_merge, load_yaml, parse_overrides
+    from raysim.config import deep_merge, load_yaml, move_flat_key, move_flat_keys, parse_user_overrides
 
     p = argparse.ArgumentParser(prog="raysim compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", default="", help="comma-separated entries: name or name:key=value;key=value")
@@ -131,9 +133,10 @@ def spec_from_args(argv: Sequence[str]) -> tuple[CompareSpec, argparse.Namespace
     labels = [m.label for m in methods]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"compare: two entries share a label ({labels}); give one a 'label' in the spec")
-    grid = {str(k): list(v) if isinstance(v, list) else [v] for k, v in (raw.get("grid") or {}).items()}
-    grid.update(parse_grid(a.grid))
-    setting = deep_merge(dict(raw.get("setting") or {}), parse_overrides(a.overrides))
+    # the spec file and the command line are user input: old flat keys are moved into their sections here, once
+    grid = {move_flat_key(str(k)): list(v) if isinstance(v, list) else [v] for k, v in (raw.get("grid") or {}).items()}
+    grid.update({move_flat_key(k): v for k, v in parse_grid(a.grid).items()})
+    setting = deep_merge(move_flat_keys(dict(raw.get("setting") or {})), parse_user_overrides(a.overrides))
     layout = a.layout or str(raw.get("layout", "in_cross"))
     LAYOUTS.get(layout)  # unknown layout: a ConfigError naming the known ones
     spec = CompareSpec(methods=methods, grid=grid, setting=setting, layout=layout,
@@ -183,7 +186,8 @@ class RunRecord:
 def earlier_run(folder: Path, cfg: Any) -> str:
     """What `folder` holds for this entry: "none", "finished" or "partial" (to resume). A run there with
     other settings (anything but the resumable keys, e.g. execution) is refused, never reused."""
-    from raysim.config import build_config, load_yaml
+    from raysim.config import load_yaml
+    from raysim.config.checks import build_config
     from raysim.engine.loop import flat_config
     from raysim.storage.store import StateStore
 
@@ -202,7 +206,7 @@ def earlier_run(folder: Path, cfg: Any) -> str:
 def plan(spec: CompareSpec, out: Path) -> list[tuple[dict[str, Any], Entry, Path, Any]]:
     """(cell, entry, run folder, validated config) of every run, in order: a typo in the last entry
     fails before the first run starts."""
-    from raysim.config import build_config
+    from raysim.config.checks import build_config
 
     cells = spec.cells()
     todo = [(cell, entry) for cell in cells for entry in spec.methods]
@@ -523,7 +527,9 @@ def describe(records: list[RunRecord], spec: CompareSpec) -> str:
 def _model_name(cfg: Any) -> str:
     """The model a table was measured on: the method's own backbone where it has one (the VPDR frameworks'
     `backbone`), else the run's CLIP model."""
-    backbone = getattr(cfg.method_options(), "backbone", "")
+    from raysim.config.checks import method_options
+
+    backbone = getattr(method_options(cfg), "backbone", "")
     return f"backbone {backbone}" if isinstance(backbone, str) and backbone else cfg.model.name
 
 

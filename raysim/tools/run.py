@@ -44,10 +44,11 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python raysim/run.py
             from raysim.errors import ConfigError
 
             raise ConfigError("--resume continues a sweep (with --sweep FILE); to continue a run pass output.resume=OUT_DIR")
-        from raysim.config import config_from_cli, move_flat_keys, parse_overrides
+        from raysim.config import parse_user_overrides
+        from raysim.config.checks import config_from_cli
         from raysim.engine.loop import resume_config, run
 
-        overrides = move_flat_keys(parse_overrides(args.overrides))
+        overrides = parse_user_overrides(args.overrides)  # user input: old flat keys moved into their sections
         resume = (overrides.get("output") or {}).get("resume")
         if resume:
             cfg = resume_config(str(resume), overrides)

@@ -38,15 +38,16 @@ if TYPE_CHECKING:
 
 from raysim.config import (
     RunConfig,
-    build_config,
     get_dotted,
     load_yaml,
     merge_config,
+    move_flat_key,
     move_flat_keys,
     parse_overrides,
     set_dotted,
     unflatten,
 )
+from raysim.config.checks import build_config
 from raysim.engine.cluster import init_ray, plan_hosts
 from raysim.errors import ConfigError
 
@@ -144,7 +145,8 @@ def _check_space(base: Mapping[str, Any], space: Any) -> dict[str, dict[str, lis
         raise ConfigError(
             "space: must map at least one config key to {grid: [...]}, {choice: [...]}, {uniform: [lo, hi]} or {loguniform: [lo, hi]}"
         )
-    return {str(key): _check_dimension(base, str(key), dist) for key, dist in space.items()}
+    # a swept key is user input: an old flat key (rounds) is checked as written, then kept at its place now (train.rounds)
+    return {move_flat_key(str(key)): _check_dimension(base, str(key), dist) for key, dist in space.items()}
 
 
 def _check_dimension(base: Mapping[str, Any], key: str, dist: Any) -> dict[str, list[Any]]:
@@ -274,7 +276,7 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any
                 raise ConfigError(f"{key} cannot be overridden on the command line; set its keys directly (e.g. rounds=5)")
             spec[key] = value
         else:
-            spec["base"] = merge_config(dict(spec.get("base") or {}), {key: value})
+            spec["base"] = merge_config(dict(spec.get("base") or {}), move_flat_keys({key: value}))
     return spec
 
 
@@ -393,7 +395,7 @@ def _search_space(space: Mapping[str, Mapping[str, list[Any]]]) -> dict[str, Any
 
 def _absolutize(base: dict[str, Any]) -> dict[str, Any]:
     """Trials run with the trial folder as working directory: make relative paths absolute here."""
-    base = move_flat_keys(base)
+    base = merge_config(base, {})  # sectioned already (validate_sweep moved the old keys)
     for section, key in (("data", "data_root"), ("output", "cache_dir")):
         part = base.setdefault(section, {})
         v = part.get(key)

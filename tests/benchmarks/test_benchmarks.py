@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from raysim.engine.hosts import broadcast_state, make_method
+from raysim.config.checks import make_method
+from raysim.engine.hosts import broadcast_state
 from raysim.models.clip import ModelSpec, build_clip_env
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"

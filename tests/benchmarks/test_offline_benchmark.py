@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from raysim.config import build_config
+from raysim.config.checks import build_config
 from raysim.engine.loop import run
 
 

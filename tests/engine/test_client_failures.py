@@ -149,7 +149,7 @@ def test_a_run_stopped_under_fail_resumes_under_drop_as_a_fresh_drop_run(tmp_pat
     cfg = config(tmp_path / "cut", cache_dir, "raise")
     with pytest.raises(ClientFailure):
         run(cfg)
-    resumed = run(resume_config(cfg.output.out_dir, {"on_client_error": "drop"}))
+    resumed = run(resume_config(cfg.output.out_dir, {"execution": {"on_client_error": "drop"}}))
     fresh = run(config(tmp_path / "fresh", cache_dir, "raise", on_client_error="drop"))
     assert rows(resumed.out_dir / "results.csv") == rows(fresh.out_dir / "results.csv")
     assert rows(resumed.out_dir / "client_results.csv") == rows(fresh.out_dir / "client_results.csv")

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from raysim.config import build_config, config_from_cli, parse_overrides
+from raysim.config import parse_overrides
+from raysim.config.checks import build_config, config_from_cli
 from raysim.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +38,7 @@ def test_yaml_file_plus_overrides(tmp_path):
     cfg = config_from_cli(str(f), ["beta=0.3"])
     assert (cfg.train.rounds, cfg.data.beta, cfg.dp.epsilon) == (7, 0.3, 2.0)
     # the resolved config round-trips through its YAML
-    from raysim.config import config_from_yaml_text
+    from raysim.config.checks import config_from_yaml_text
 
     assert config_from_yaml_text(cfg.to_yaml()).to_dict() == cfg.to_dict()
 
@@ -131,7 +132,7 @@ def test_defaults_have_one_source_and_the_config_notes_state_them():
     import re
 
     from raysim.config import SECTIONS
-    from raysim.engine.hosts import make_method
+    from raysim.config.checks import make_method
 
     cfg = build_config({})
     assert make_method(cfg).train is cfg.train
@@ -171,9 +172,9 @@ def test_defaults_have_one_source_and_the_config_notes_state_them():
 def test_flat_keys_of_the_previous_release_still_work_with_one_message(caplog):
     import logging
 
-    from raysim import config as config_module
+    from raysim.config import load as config_load
 
-    config_module._WARNED.clear()
+    config_load._WARNED.clear()
     with caplog.at_level(logging.WARNING, logger="raysim.config"):
         cfg = build_config({"rounds": 3, "model": "raysim-tiny", "backend": "inline", "eval_every": 2})
         build_config({"rounds": 4})
@@ -190,3 +191,50 @@ def test_resumable_keys_are_field_metadata():
     keys = cfg.resumable_keys()
     assert {"execution.backend", "output.out_dir", "train.rounds", "data.data_root"} <= keys
     assert not {"train.lr", "train.seed", "data.partition", "execution.num_threads", "dp.epsilon"} & keys
+
+
+def test_shipped_sweep_and_table_files_use_sectioned_keys(caplog, tmp_path):
+    """Every shipped sweep (sweeps/*.yaml) and comparison spec (benchmarks/tables/*.yaml) builds its configs
+    without one deprecation message: they are written with the sectioned keys."""
+    import glob
+    import logging
+
+    from raysim.config import load as config_load
+    from raysim.tools.compare import plan, spec_from_args
+    from raysim.tools.sweep import load_sweep, validate_sweep
+
+    config_load._WARNED.clear()
+    with caplog.at_level(logging.WARNING, logger="raysim.config"):
+        sweeps = sorted(glob.glob(str(ROOT / "sweeps" / "*.yaml")))
+        tables = sorted(glob.glob(str(ROOT / "benchmarks" / "tables" / "*.yaml")))
+        for path in sweeps:
+            validate_sweep(load_sweep(path))
+        for path in tables:
+            spec, _ = spec_from_args([path])
+            plan(spec, tmp_path / Path(path).stem)
+    assert len(sweeps) >= 5 and len(tables) >= 5
+    said = [r.getMessage() for r in caplog.records if "is now" in r.getMessage()]
+    assert not said, said
+
+
+def test_schema_backend_names_are_the_engine_backends():
+    from raysim.config.schema import BACKEND_NAMES
+    from raysim.engine.backends import BACKENDS
+
+    assert sorted(BACKEND_NAMES) == sorted(BACKENDS)
+
+
+def test_old_vpp_keys_move_into_the_dp_vpp_section_with_one_message(caplog):
+    import logging
+
+    from raysim.config import load as config_load
+
+    config_load._WARNED.clear()
+    with caplog.at_level(logging.WARNING, logger="raysim.config"):
+        cfg = build_config({"dp": {"vpp_rho": 0.2, "vpp_split": 0.3}})
+        again = config_from_cli(None, ["dp.vpp_rho=0.25", "dp.vpp.H=0.5"])
+    assert (cfg.dp.vpp.rho, cfg.dp.vpp.H, cfg.dp.vpp.split) == (0.2, 0.1, 0.3)
+    assert (again.dp.vpp.rho, again.dp.vpp.H) == (0.25, 0.5)
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("'dp.vpp_rho' is now 'dp.vpp.rho'" in m for m in said) == 1
+    assert sum("'dp.vpp_split' is now 'dp.vpp.split'" in m for m in said) == 1

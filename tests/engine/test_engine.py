@@ -84,8 +84,8 @@ def test_resume_can_extend_rounds_but_not_change_results(tmp_path, cache_dir):
 
     out = run(tiny_config(tmp_path, cache_dir, rounds=2)).out_dir
     with pytest.raises(ConfigError, match="lr"):
-        resume_config(out, {"lr": 0.5})
-    extended = run(resume_config(out, {"rounds": 3}))
+        resume_config(out, {"train": {"lr": 0.5}})
+    extended = run(resume_config(out, {"train": {"rounds": 3}}))
     assert [int(r["round"]) for r in read_rows(extended.out_dir / "results.csv")] == [0, 1, 2]
 
 
@@ -166,7 +166,7 @@ def test_run_stops_before_a_release_past_the_budget(tmp_path, cache_dir):
     out = run(tiny_config(tmp_path, cache_dir, rounds=2, **{"dp": {"epsilon": 1.0}})).out_dir
     before = read_rows(out / "results.csv")
     with pytest.raises(PrivacyBudgetExceeded, match="epsilon"):
-        run(resume_config(out, {"rounds": 4}))
+        run(resume_config(out, {"train": {"rounds": 4}}))
     assert read_rows(out / "results.csv") == before  # nothing trained past the budget was recorded
 
 

@@ -15,8 +15,8 @@ def _rounds(cfg, kill=None):
     (stages "trained" and "committed"), and inside train_round after each of its phases has answered on
     every host ("release" and "train" for a release_first method; "train" otherwise).
     Returns what the driver saw and every client's final private state."""
+    from raysim.config.checks import make_method
     from raysim.engine.backends import RayBackend
-    from raysim.engine.hosts import make_method
     from raysim.engine.loop import prepare_data
     from raysim.sampling import participants
     from raysim.storage.store import StateStore

@@ -166,6 +166,6 @@ def test_every_run_writes_curves_png_and_a_resume_redraws_it(tmp_path, cache_dir
     png = out / "curves.png"
     assert png.is_file() and png.read_bytes()[:8] == PNG_MAGIC
     first = png.read_bytes()
-    run(resume_config(out, {"rounds": 3}))
+    run(resume_config(out, {"train": {"rounds": 3}}))
     assert png.read_bytes()[:8] == PNG_MAGIC and png.read_bytes() != first  # one more round on the curves
     assert not list(out.glob(".*tmp*"))  # written through a temporary name

@@ -70,7 +70,7 @@ def test_a_second_run_or_resume_of_a_live_folder_exits_2_naming_the_holder(tmp_p
         assert p.returncode == 2, p.stderr
         assert f"pid {holder.pid}" in p.stderr and "Traceback" not in p.stderr
         with pytest.raises(RunFolderLocked, match=f"pid {holder.pid}"):
-            run(resume_config(out, {"rounds": 2}))
+            run(resume_config(out, {"train": {"rounds": 2}}))
         # a new run pointed at the same folder
         cfg_file = tmp_path / "again.yaml"
         cfg_file.write_text(tiny_config(tmp_path, cache_dir, rounds=2).to_yaml())
@@ -82,7 +82,7 @@ def test_a_second_run_or_resume_of_a_live_folder_exits_2_naming_the_holder(tmp_p
         holder.wait()
     # the holder is gone (killed, its lock file left behind): the lock is free and the resume takes it over
     assert (out / LOCK_NAME).exists() and RunLock(out).holder() is None
-    resumed = run(resume_config(out, {"rounds": 2}))
+    resumed = run(resume_config(out, {"train": {"rounds": 2}}))
     assert [r["round"] for r in rows(resumed.out_dir / "results.csv")] == ["0", "1"]
     assert not (out / LOCK_NAME).exists()
 
@@ -176,7 +176,7 @@ def test_a_checkpoint_carrying_a_pickled_object_that_would_run_code_is_refused(t
     assert "could run code" in p.stderr and str(out / "state" / "clients" / "0" / "00001.pt") in p.stderr
     assert not marker.exists()
     with pytest.raises(CheckpointError, match="could run code"):
-        run(resume_config(out, {"rounds": 3}))
+        run(resume_config(out, {"train": {"rounds": 3}}))
     # the attacks read uploads/ and state/ through the same loader
     write_with_digest(out / "uploads" / "00001.pt", {"pre": {}, "uploads": {0: RunsCode(marker)}, "num_samples": {}})
     with pytest.raises(CheckpointError, match="could run code"):

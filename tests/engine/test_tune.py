@@ -17,7 +17,7 @@ SMOKE = ROOT / "sweeps" / "smoke.yaml"
 
 
 def smoke_spec(tmp_path, cache_dir, name="smoke"):
-    return load_sweep(SMOKE, [f"storage={tmp_path / 'sweeps'}", f"name={name}", f"cache_dir={cache_dir}"])
+    return load_sweep(SMOKE, [f"storage={tmp_path / 'sweeps'}", f"name={name}", f"output.cache_dir={cache_dir}"])
 
 
 # ---------------------------------------------------------------- validation (no Ray)
@@ -32,7 +32,7 @@ def test_shipped_sweeps_validate(path):
 def test_shipped_sweeps_cover_the_studies():
     spaces = {Path(p).stem: validate_sweep(load_sweep(p))["space"] for p in glob.glob(str(ROOT / "sweeps" / "*.yaml"))}
     assert spaces["epsilon"]["dp.epsilon"]["grid"] == [0.25, 0.5, 0.75, 1.0, math.inf]
-    assert spaces["beta"]["beta"]["grid"] == [0.1, 0.3, 0.5]
+    assert spaces["beta"]["data.beta"]["grid"] == [0.1, 0.3, 0.5]
     assert "fedsept.rank" in spaces["rank"] and "fedsept.experts" in spaces["experts"]
 
 
@@ -42,19 +42,19 @@ def test_shipped_sweeps_cover_the_studies():
         ({"spaces": {}}, "unknown sweep key 'spaces'. Did you mean 'space'"),
         ({"base": {"round": 2}}, "unknown config key 'round'"),
         ({"space": {"dp.epsilonn": {"grid": [1.0]}}}, "dp.epsilonn"),
-        ({"space": {"beta": {"grid": [-1.0]}}}, "beta must be a positive number"),
-        ({"space": {"beta": {"range": [0.1, 0.5]}}}, "must be one of"),
-        ({"space": {"lr": {"loguniform": [0.0, 1.0]}}}, "lo > 0"),
-        ({"space": {"lr": {"uniform": [0.5, 0.1]}}}, "lo < hi"),
+        ({"space": {"data.beta": {"grid": [-1.0]}}}, "beta must be a positive number"),
+        ({"space": {"data.beta": {"range": [0.1, 0.5]}}}, "must be one of"),
+        ({"space": {"train.lr": {"loguniform": [0.0, 1.0]}}}, "lo > 0"),
+        ({"space": {"train.lr": {"uniform": [0.5, 0.1]}}}, "lo < hi"),
         ({"metric": "accuracy"}, "metric must be one of"),
         ({"asha": {"grace": 1}}, "unknown asha key 'grace'"),
-        ({"base": {"out_dir": "x"}}, "set per trial"),
-        ({"base": {"num_actors": 0}}, "fixed number of client actors"),
+        ({"base": {"output": {"out_dir": "x"}}}, "set per trial"),
+        ({"base": {"execution": {"num_actors": 0}}}, "fixed number of client actors"),
         ({"num_samples": 0}, "num_samples"),
     ],
 )
 def test_bad_sweep_files_are_rejected(bad, match):
-    spec = {"base": {"num_actors": 1, "rounds": 2}, "space": {"seed": {"grid": [1, 2]}}}
+    spec = {"base": {"execution": {"num_actors": 1}, "train": {"rounds": 2}}, "space": {"train.seed": {"grid": [1, 2]}}}
     for k, v in bad.items():
         spec[k] = {**spec[k], **v} if k == "base" else v
     with pytest.raises(ConfigError, match=match):
@@ -62,18 +62,18 @@ def test_bad_sweep_files_are_rejected(bad, match):
 
 
 def test_overrides_go_to_sweep_or_base():
-    spec = load_sweep(SMOKE, ["name=x", "rounds=3", "dp.delta=1e-6", "--resume"])
+    spec = load_sweep(SMOKE, ["name=x", "train.rounds=3", "dp.delta=1e-6", "--resume"])
     assert spec["name"] == "x" and spec["restore"] is True
     assert spec["base"]["train"]["rounds"] == 3 and float(spec["base"]["dp"]["delta"]) == 1e-6  # moved into its section
 
 
 def test_placement_group_bundles():
     # driver + one bundle per client actor; the server bundle only when it reserves something
-    b = trial_bundles({"num_clients": 4, "num_actors": 2, "client_cpus": 0.5, "client_gpus": 0.25})
+    b = trial_bundles({"train": {"num_clients": 4}, "execution": {"num_actors": 2, "client_cpus": 0.5, "client_gpus": 0.25}})
     assert b == [{"CPU": 0.01}, {"CPU": 0.5, "GPU": 0.25}, {"CPU": 0.5, "GPU": 0.25}]
-    b = trial_bundles({"num_clients": 3, "placement": "actor_per_client", "client_cpus": 0, "server_cpus": 1})
+    b = trial_bundles({"train": {"num_clients": 3}, "execution": {"placement": "actor_per_client", "client_cpus": 0, "server_cpus": 1}})
     assert b == [{"CPU": 0.01}, {"CPU": 1.0}] + [{"CPU": 0.01}] * 3
-    assert trial_bundles({"num_actors": 1, "client_gpus": 0.5}, has_gpu=False)[1] == {"CPU": 1.0}
+    assert trial_bundles({"execution": {"num_actors": 1, "client_gpus": 0.5}}, has_gpu=False)[1] == {"CPU": 1.0}
     assert trials_that_fit([{"CPU": 0.01}, {"CPU": 0.5}], {"CPU": 2.0}) == 3
     assert trials_that_fit([{"CPU": 0.01}, {"CPU": 0.5, "GPU": 0.5}], {"CPU": 8.0, "GPU": 1.0}) == 2
 
@@ -104,16 +104,16 @@ def test_smoke_sweep_2x2(ray_session, tmp_path, cache_dir):
     # every trial ran to the end: none errored, none left pending
     assert df.attrs["num_errors"] == 0 and df.attrs["num_terminated"] == 4
     assert len(df) == 4 and set(df["status"]) == {"completed"} and set(df["rounds_done"]) == {2}
-    assert sorted(zip(df["beta"], df["seed"])) == [(0.3, 1), (0.3, 2), (0.5, 1), (0.5, 2)]
+    assert sorted(zip(df["data.beta"], df["train.seed"])) == [(0.3, 1), (0.3, 2), (0.5, 1), (0.5, 2)]
     assert df[["in_client", "cross_client", "hm"]].notna().all().all()
     assert (df["epsilon_spent"] == math.inf).all() and (df["wall_s"] > 0).all()
     # rows on disk, the Markdown table and one plot per swept key
     csv = pd.read_csv(exp / "trials.csv")
-    assert len(csv) == 4 and {"beta", "seed", "in_client", "cross_client", "hm", "epsilon_spent", "wall_s"} <= set(csv)
+    assert len(csv) == 4 and {"data.beta", "train.seed", "in_client", "cross_client", "hm", "epsilon_spent", "wall_s"} <= set(csv)
     md = (exp / "trials.md").read_text()
     assert md.count("| completed |") == 4 and "HM" in md
-    for key in ("beta", "seed"):
-        png = exp / f"hm_vs_{key}.png"
+    for key in ("data.beta", "train.seed"):
+        png = exp / f"hm_vs_{key.replace('.', '_')}.png"
         assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # each trial's federation wrote the plain-run layout inside its trial folder, TensorBoard included
     for out_dir in df["out_dir"]:
@@ -144,7 +144,7 @@ def test_asha_stops_weak_trials_early(ray_session, tmp_path, cache_dir):
     from raysim.tools.sweep import run_sweep
 
     spec = smoke_spec(tmp_path, cache_dir, name="asha")
-    spec["base"]["rounds"] = 3
+    spec["base"]["train"]["rounds"] = 3
     spec["asha"] = {"max_t": 3, "grace_period": 1, "reduction_factor": 2}
     df = run_sweep(spec, verbose=0)
     assert len(df) == 4 and df.attrs["num_errors"] == 0

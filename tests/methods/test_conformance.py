@@ -39,7 +39,7 @@ FAST = {
 
 
 def config(tmp_path, name, **extra):
-    from raysim.config import build_config
+    from raysim.config.checks import build_config
 
     values = {
         "method": name, "dataset": "digits", "shots": 8, "model": "raysim-tiny", "pretrained": "", "n_ctx": 4,
@@ -53,7 +53,8 @@ def config(tmp_path, name, **extra):
 
 
 def hosts(cfg, out_dir):
-    from raysim.engine.hosts import ClientHost, ServerHost, make_method
+    from raysim.config.checks import make_method
+    from raysim.engine.hosts import ClientHost, ServerHost
     from raysim.engine.loop import prepare_data
 
     data = prepare_data(cfg, make_method(cfg).needs(), progress=False)

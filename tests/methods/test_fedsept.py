@@ -216,10 +216,10 @@ def test_cache_uncached_and_fusion_semantics(env):
 
 
 def test_options_are_validated_and_the_probe_is_inert_with_one_key():
-    from raysim.config import build_config
+    from raysim.config.checks import build_config, method_options
 
-    assert build_config(dict(method="fedsept", fedsept={"router": "patch"})).method_options().router == "patch"
-    assert build_config(dict(method="fedsept", fedsept={"rank": 8})).method_options().rank == 8
+    assert method_options(build_config(dict(method="fedsept", fedsept={"router": "patch"}))).router == "patch"
+    assert method_options(build_config(dict(method="fedsept", fedsept={"rank": 8}))).rank == 8
     for bad in (dict(experts=0), dict(variant="moe"), dict(fusion="x"), dict(div_reduction="max"), dict(lambda_gate=-1)):
         with pytest.raises(ConfigError):
             dataclasses.replace(get_method("fedsept").Options(), **bad).validate()
@@ -241,7 +241,7 @@ def test_options_are_validated_and_the_probe_is_inert_with_one_key():
 
 
 def test_engine_run_with_dp_stays_within_budget(tmp_path):
-    from raysim.config import build_config
+    from raysim.config.checks import build_config, method_options
     from raysim.engine.loop import run
 
     cfg = build_config(
@@ -254,7 +254,7 @@ def test_engine_run_with_dp_stays_within_budget(tmp_path):
     result = run(cfg)
     rows = pd.read_csv(tmp_path / "r" / "results.csv")
     assert len(rows) == 2
-    o = cfg.method_options()
+    o = method_options(cfg)
     per_client = o.experts * cfg.train.n_ctx * o.rank * 4
     assert (rows["bytes_up"] == cfg.train.num_clients * per_client).all()
     assert (rows["bytes_down"] == cfg.train.num_clients * per_client).all()

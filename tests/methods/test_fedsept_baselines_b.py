@@ -84,7 +84,8 @@ def test_expert_selection_picks_the_nearest_uploaded_others():
 
 
 def _hosts(tmp_path, cache_dir, method, **extra):
-    from raysim.engine.hosts import ClientHost, ServerHost, make_method
+    from raysim.config.checks import make_method
+    from raysim.engine.hosts import ClientHost, ServerHost
     from raysim.engine.loop import prepare_data
 
     cfg = tiny_config(tmp_path, cache_dir, method=method, n_ctx=4, **extra)
@@ -218,7 +219,7 @@ def test_dpfpl_reference_clips_the_batch_gradient_not_each_example():
 
 
 def test_dpfpl_reference_mode_is_refused_at_client_level():
-    from raysim.config import build_config
+    from raysim.config.checks import build_config
     from raysim.errors import ConfigError
 
     with pytest.raises(ConfigError, match="dp.level=sample"):

@@ -332,7 +332,7 @@ def test_end_to_end_on_ray(tmp_path, ray_session, name, section):
     is above chance (10 classes)."""
     import csv
 
-    from raysim.config import build_config
+    from raysim.config.checks import build_config
     from raysim.engine.loop import run
     from raysim.storage.store import StateStore
 

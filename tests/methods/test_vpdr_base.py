@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from raysim.config import DPConfig, build_config
+from raysim.config import DPConfig
+from raysim.config.checks import build_config
 from raysim.errors import ConfigError
 
 
@@ -47,7 +48,7 @@ def rows(path, drop=("seconds",)):
 @pytest.mark.parametrize("privacy,mech,dcr", [("igpp", "igpp", False), ("vpp", "vpp", False), ("dcr", "igpp", True),
                                               ("vpdr", "vpp", True), ("auto", "igpp", False)])
 def test_privacy_knob_maps_onto_the_hosts_mechanisms_and_dcr(tmp_path, cache_dir, backbone, privacy, mech, dcr):
-    from raysim.engine.hosts import make_method
+    from raysim.config.checks import make_method
 
     m = make_method(build_config(values(tmp_path, cache_dir, privacy, backbone=backbone)))
     assert m.dp.prototypes == mech and m.dcr is dcr
@@ -55,7 +56,7 @@ def test_privacy_knob_maps_onto_the_hosts_mechanisms_and_dcr(tmp_path, cache_dir
 
 
 def test_privacy_none_is_no_ldp(tmp_path, cache_dir, backbone):
-    from raysim.engine.hosts import make_method
+    from raysim.config.checks import make_method
 
     m = make_method(build_config(values(tmp_path, cache_dir, "none", backbone=backbone)))
     assert not m.dp.enabled and not m.dcr
@@ -65,8 +66,8 @@ def test_privacy_none_is_no_ldp(tmp_path, cache_dir, backbone):
     (["vpdr_fedproto.privacy=vpdr"], "needs a budget"),  # LDP without dp.epsilon
     (["vpdr_fedproto.privacy=none", "dp.epsilon=1"], "without LDP"),
     (["vpdr_fedproto.privacy=igpp", "dp.epsilon=1", "dp.prototypes=vpp"], "dp.prototypes"),
-    (["vpdr_fedproto.privacy=vpdr", "dp.epsilon=1", "dp.vpp_rho=0.6"], r"dp.vpp_rho must be in \(0, 0.5\]"),
-    (["vpdr_fedproto.privacy=vpdr", "dp.epsilon=1", "dp.vpp_rho=0"], r"dp.vpp_rho must be in \(0, 0.5\]"),
+    (["vpdr_fedproto.privacy=vpdr", "dp.epsilon=1", "dp.vpp.rho=0.6"], r"dp.vpp.rho must be in \(0, 0.5\]"),
+    (["vpdr_fedproto.privacy=vpdr", "dp.epsilon=1", "dp.vpp.rho=0"], r"dp.vpp.rho must be in \(0, 0.5\]"),
     (["vpdr_fedproto.privacy=sometimes"], "privacy must be one of"),
     (["vpdr_fedproto.privacy=vpdr", "dp.epsilon=1", "dp.level=client"], "dp.level=sample"),
     (["method=fedavg", "fedavg.privacy=vpdr"], "unknown config key"),  # the knob belongs to the VPDR frameworks
@@ -117,7 +118,8 @@ def test_fedproto_server_holders_renormalised_and_the_codes_all_clients_rule():
 
 # ------------------------------------------------------------------------------------------ DCR on a client
 def _client(tmp_path, cache_dir, backbone, privacy, **section):
-    from raysim.engine.hosts import ClientHost, ServerHost, make_method
+    from raysim.config.checks import make_method
+    from raysim.engine.hosts import ClientHost, ServerHost
     from raysim.engine.loop import prepare_data
 
     cfg = build_config(values(tmp_path, cache_dir, privacy, backbone=backbone, **section))
@@ -164,8 +166,9 @@ def test_round_order_is_spec_3_4_release_aggregate_then_train(tmp_path, cache_di
     that aggregate of round r, never the previous one; training uploads nothing."""
     import copy
 
+    from raysim.config.checks import make_method
     from raysim.engine.backends import InlineBackend
-    from raysim.engine.hosts import initial_private, make_method
+    from raysim.engine.hosts import initial_private
     from raysim.engine.loop import prepare_data
     from raysim.methods.families.vpdr import VPDRMethod
     from raysim.methods.families.zoo import aggregate_prototypes, stack_uploads
@@ -299,7 +302,7 @@ def test_recorded_epsilon_over_the_rounds_is_the_target(tmp_path, cache_dir, bac
     kinds = [r.mechanism for r in ledger.releases]
     assert kinds.count("vpp") == T and kinds.count("vpp_topk") == T  # one release per round, each accounted
     pure = sum(r.epsilon for r in ledger.releases if r.mechanism == "vpp_topk")
-    assert pure == pytest.approx(DPConfig().vpp_split * eps)  # epsilon_1 = r epsilon over the T rounds
+    assert pure == pytest.approx(DPConfig().vpp.split * eps)  # epsilon_1 = r epsilon over the T rounds
 
 
 def test_resume_gives_identical_results(tmp_path, cache_dir):

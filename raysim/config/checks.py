@@ -1,0 +1,221 @@
+"""Building and checking a run config: the only config module that consults the registries (methods,
+datasets and partitioners, privacy mechanisms and accountants, evaluation protocols, the model's fast paths).
+
+`build_config(values)` is the front door: the user's mapping (its old keys moved into their sections once,
+here), every key checked, every value range-checked, the method built once to check its privacy. A message
+names the key as it is written (`train.rounds`) and what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any, Mapping
+
+import yaml
+
+from raysim.config.load import RENAMED, _build_dataclass, deep_merge, load_config_file, move_flat_keys, parse_user_overrides
+from raysim.config.schema import (
+    BACKEND_NAMES,
+    KEEP_CLIENT_STATES,
+    ON_CLIENT_ERROR,
+    PLACEMENTS,
+    SECTIONS,
+    DataConfig,
+    DPConfig,
+    EvalConfig,
+    ExecutionConfig,
+    RunConfig,
+    TrainConfig,
+)
+from raysim.errors import ConfigError
+
+if TYPE_CHECKING:
+    from raysim.methods.base import Method
+
+
+def method_options(cfg: RunConfig, name: str | None = None) -> Any:
+    """The resolved Options dataclass of method `name` (default: the run's method) in `cfg`."""
+    from raysim.methods import get_method
+
+    name = (name or cfg.method).lower()
+    cls = get_method(name)
+    section = cfg.methods.get(name)
+    if isinstance(section, cls.Options):
+        return section
+    return _build_dataclass(cls.Options, section or {}, prefix=f"{name}.")
+
+
+def make_method(cfg: RunConfig) -> Method:
+    """The run's Method object: its class with the run's train section itself, its options and the dp section."""
+    from raysim.methods import get_method
+
+    return get_method(cfg.method)(cfg.train, method_options(cfg), cfg.dp)
+
+
+def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> RunConfig:
+    """Build and validate a RunConfig from a (nested) mapping plus keyword overrides."""
+    from raysim.methods import get_method, method_names
+
+    values = deep_merge(move_flat_keys(dict(values or {})), move_flat_keys(overrides))  # user input: old keys moved once
+    plain: dict[str, Any] = {}
+    sections: dict[str, Any] = {}
+    run_fields = {f.name for f in dataclasses.fields(RunConfig)} - {"methods"}
+    for key, value in values.items():
+        if key in run_fields:
+            plain[key] = value
+        elif key.lower() in method_names():
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{key} is a method section; set its keys as {key}.NAME=VALUE")
+            sections[key.lower()] = value
+        else:
+            import difflib
+
+            flat = {k for k in RENAMED if "." not in k}
+            choices = sorted(run_fields | set(method_names()) | flat)
+            hint = difflib.get_close_matches(key, choices, n=1)
+            extra = f" Did you mean {RENAMED.get(hint[0], hint[0])!r}?" if hint else ""
+            raise ConfigError(
+                f"unknown config key {key!r}.{extra} Valid keys: method and the sections {', '.join(SECTIONS)} "
+                f"(e.g. train.rounds=5); method sections: {', '.join(method_names())}."
+            )
+    cfg = _build_dataclass(RunConfig, plain)
+    cfg.methods = {
+        name: _build_dataclass(get_method(name).Options, sec, prefix=f"{name}.") for name, sec in sections.items()
+    }
+    validate(cfg)
+    # the run's own method section is always materialised so config.yaml lists every knob
+    cfg.methods.setdefault(cfg.method.lower(), method_options(cfg))
+    return cfg
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate(cfg: RunConfig) -> None:
+    """Check every section; a message names the key as it is written (`train.rounds`) and what to do."""
+    from raysim.methods import get_method
+
+    get_method(cfg.method)  # raises with the valid choices
+    cfg.method = cfg.method.lower()
+    _validate_data(cfg.data)
+    _validate_train(cfg.train)
+    _validate_eval(cfg.eval, cfg.train)
+    _validate_execution(cfg.execution, cfg.train)
+    _validate_dp(cfg.dp)
+    _check(not (cfg.execution.compile and cfg.dp.enabled and cfg.dp.level == "sample"),
+           "execution.compile=true cannot run with DP-SGD (dp.epsilon finite, dp.level=sample): a compiled text tower's "
+           "backward does not batch over DP-SGD's per-example cotangents, so every example would need its own backward "
+           "(slower than not compiling); set execution.compile=false under DP, or dp.level=client")
+    _check(cfg.output.keep_client_states in KEEP_CLIENT_STATES,
+           f"output.keep_client_states must be one of {', '.join(KEEP_CLIENT_STATES)} (auto = all when output.record_uploads "
+           f"is on, else last), got {cfg.output.keep_client_states!r}")
+    opts = method_options(cfg)
+    check = getattr(opts, "validate", None)
+    if callable(check):
+        check()
+    from raysim.privacy.mechanisms import check_method
+
+    method = make_method(cfg)
+    check_method(method, method.dp)  # a method/dp combination that cannot be made private stops here (method.dp: the run's,
+    # or the run's as the method's own privacy knob refines it, e.g. vpdr_fedproto.privacy=vpdr sets dp.prototypes=vpp)
+
+
+def _validate_data(d: DataConfig) -> None:
+    from raysim.data import PARTITIONERS, dataset_names
+
+    if d.dataset.lower() not in dataset_names():
+        raise ConfigError(f"unknown dataset {d.dataset!r}. Valid choices: {', '.join(dataset_names())}.")
+    d.dataset = d.dataset.lower()
+    _check(d.partition in PARTITIONERS, f"data.partition must be one of {', '.join(PARTITIONERS.names())}, got {d.partition!r}")
+    _check(d.beta > 0 and math.isfinite(d.beta), f"data.beta must be a positive number, got {d.beta}")
+    _check(d.shots >= 0, f"data.shots must be >= 0 (0 = use all training images), got {d.shots}")
+    _check(d.min_samples >= 0, f"data.min_samples must be >= 0 (0 = the partition's default), got {d.min_samples}")
+    _check(d.partition != "pfllib" or d.shots == 0,
+           f"data.partition=pfllib is PFLlib's protocol, which keeps every sample of each client; set data.shots=0 (got {d.shots})")
+
+
+def _validate_train(t: TrainConfig) -> None:
+    _check(t.num_clients >= 1, f"train.num_clients must be >= 1, got {t.num_clients}")
+    _check(0 < t.participation <= 1, f"train.participation must be in (0, 1], got {t.participation}")
+    _check(t.rounds >= 1, f"train.rounds must be >= 1, got {t.rounds}")
+    _check(t.local_epochs >= 1, f"train.local_epochs must be >= 1, got {t.local_epochs}")
+    _check(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")
+    _check(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    _check(t.momentum >= 0 and t.weight_decay >= 0, "train.momentum and train.weight_decay must be >= 0")
+    _check(t.n_ctx >= 1, f"train.n_ctx must be >= 1, got {t.n_ctx}")
+    _check(t.seed >= 0, f"train.seed must be >= 0, got {t.seed}")
+
+
+def _validate_eval(e: EvalConfig, t: TrainConfig) -> None:
+    from raysim.protocols import PROTOCOLS
+
+    _check(0 <= e.clients <= t.num_clients,
+           f"eval.clients is how many clients are evaluated per evaluated round: 0 (all) up to train.num_clients="
+           f"{t.num_clients}; got {e.clients}")
+    _check(e.protocol in PROTOCOLS, f"eval.protocol must be one of {', '.join(PROTOCOLS.names())}, got {e.protocol!r}")
+    _check(e.batch_size >= 1, f"eval.batch_size must be >= 1, got {e.batch_size}")
+    _check(e.every >= 1 and e.last >= 0, "eval.every must be >= 1 and eval.last >= 0")
+
+
+def _validate_execution(x: ExecutionConfig, t: TrainConfig) -> None:
+    from raysim.sampling import participants
+
+    _check(x.backend in BACKEND_NAMES, f"execution.backend must be one of {', '.join(sorted(BACKEND_NAMES))}, got {x.backend!r}")
+    _check(x.placement in PLACEMENTS, f"execution.placement must be one of {', '.join(PLACEMENTS)}, got {x.placement!r}")
+    _check(x.num_actors >= 0, f"execution.num_actors must be >= 0 (0 = automatic), got {x.num_actors}")
+    _check(x.client_cpus >= 0 and x.server_cpus >= 0, "execution.client_cpus and execution.server_cpus must be >= 0")
+    _check(0 <= x.client_gpus <= 1, f"execution.client_gpus is a fraction of one GPU per actor, in [0, 1]; got {x.client_gpus}")
+    _check(x.server_gpus >= 0, f"execution.server_gpus must be >= 0, got {x.server_gpus}")
+    _check(x.num_threads >= 1, f"execution.num_threads must be >= 1, got {x.num_threads}")
+    _check(x.max_actor_restarts >= 0, f"execution.max_actor_restarts must be >= 0, got {x.max_actor_restarts}")
+    _check(x.on_client_error in ON_CLIENT_ERROR,
+           f"execution.on_client_error must be one of {', '.join(ON_CLIENT_ERROR)}, got {x.on_client_error!r}")
+    _check(x.client_timeout >= 0 and not math.isnan(x.client_timeout),
+           f"execution.client_timeout is in seconds and must be >= 0 (0 = no limit), got {x.client_timeout}")
+    per_round = len(participants(t.seed, 0, t.num_clients, t.participation))
+    _check(1 <= x.min_clients <= per_round,
+           f"execution.min_clients must be between 1 and the {per_round} clients sampled per round "
+           f"(num_clients={t.num_clients} x participation={t.participation}), got {x.min_clients}")
+    _check(x.stack_size >= 1, f"execution.stack_size is the most clients trained in one stack and must be >= 1, got {x.stack_size} "
+           "(execution.batch_clients=false trains client by client)")
+    _check(x.device in ("auto", "cpu", "cuda"), f"execution.device must be auto, cpu or cuda, got {x.device!r}")
+    from raysim.models.clip import FastPaths
+
+    fast = FastPaths(x.autocast, x.compile)
+    fast.check("cuda")  # the choices; the device itself is checked where the tower is built (an actor may have a GPU)
+    if x.device == "cpu":
+        fast.check("cpu")
+
+
+def _validate_dp(dp: DPConfig) -> None:
+    from raysim.privacy.accountant import ACCOUNTANTS
+    from raysim.privacy.mechanisms import MECHANISMS
+
+    _check(dp.epsilon > 0, f"dp.epsilon must be > 0 (inf turns DP off), got {dp.epsilon}")
+    _check(0 < dp.delta < 1, f"dp.delta must be in (0, 1), got {dp.delta}")
+    _check(dp.clip > 0, f"dp.clip must be > 0, got {dp.clip}")
+    _check(dp.accountant in ACCOUNTANTS, f"dp.accountant must be one of {', '.join(ACCOUNTANTS)}, got {dp.accountant!r}")
+    _check(dp.microbatch >= 0, f"dp.microbatch must be >= 1, or 0 = sized from the graph's memory, got {dp.microbatch}")
+    _check(dp.calibration in ("participated", "all_rounds"), "dp.calibration must be participated or all_rounds")
+    _check(dp.level in ("sample", "client"), f"dp.level must be sample or client, got {dp.level!r}")
+    _check(dp.sampling in ("poisson", "shuffle"), f"dp.sampling must be poisson or shuffle, got {dp.sampling!r}")
+    protos = [n for n in MECHANISMS.names() if MECHANISMS.get(n).applied == "release" and n != "embedding"]
+    _check(dp.prototypes in protos, f"dp.prototypes must be one of {', '.join(protos)}, got {dp.prototypes!r}")
+    _check(dp.proto_clip > 0, f"dp.proto_clip must be > 0, got {dp.proto_clip}")
+    _check(0 < dp.vpp.rho <= 0.5, f"dp.vpp.rho must be in (0, 0.5], got {dp.vpp.rho}")
+    _check(dp.vpp.H > 0, f"dp.vpp.H must be > 0, got {dp.vpp.H}")
+    _check(0 < dp.vpp.split < 1, f"dp.vpp.split must be in (0, 1), got {dp.vpp.split}")
+
+
+def config_from_cli(config_file: str | None, overrides: list[str]) -> RunConfig:
+    """A config file (optional) with `key=value` overrides over it: user input, old keys moved once each."""
+    base = load_config_file(config_file) if config_file else {}
+    return build_config(deep_merge(base, parse_user_overrides(overrides)))
+
+
+def config_from_yaml_text(text: str) -> RunConfig:
+    data = yaml.safe_load(text) or {}
+    return build_config(data)

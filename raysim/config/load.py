@@ -1,0 +1,231 @@
+"""Reading configuration: YAML files, `key=value` overrides, dotted keys, and the flat-key shim.
+
+Everything here works on plain nested mappings (`{"train": {"rounds": 5}}`) and on the section dataclasses
+of `raysim.config.schema`; nothing consults a registry (that is `raysim.config.checks`). The previous
+release's flat keys (`rounds=5`, `dp.vpp_rho=0.3`) are moved into their sections by `move_flat_keys`,
+once, where user input enters: config files (`load_config_file`), command-line overrides
+(`parse_user_overrides`), sweep and compare spec files, and the `build_config(values)` front door.
+Internal code writes sectioned keys and merges with `merge_config` (a deep merge, no shim).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import types
+import typing
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from raysim.config.schema import SECTIONS
+from raysim.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# the keys of the previous release -> their place now (accepted with a deprecation message): top-level flat
+# keys (`rounds` -> `train.rounds`) and renamed keys inside a section (`dp.vpp_rho` -> `dp.vpp.rho`)
+RENAMED = {"model": "model.name", "pretrained": "model.pretrained", "evaluation": "eval.protocol",
+           "eval_every": "eval.every", "eval_last": "eval.last", "eval_clients": "eval.clients", "test_batch_size": "eval.batch_size",
+           "dp.vpp_rho": "dp.vpp.rho", "dp.vpp_H": "dp.vpp.H", "dp.vpp_split": "dp.vpp.split"}
+for _section, _cls in SECTIONS.items():
+    if _section in ("model", "eval", "dp"):
+        continue
+    for _f in dataclasses.fields(_cls):
+        RENAMED.setdefault(_f.name, f"{_section}.{_f.name}")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
+            return value.lower() in ("true", "yes", "1", "on")
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        try:
+            f = float(value)
+        except ValueError:
+            raise ConfigError(f"{key} must be an integer, got {value!r}") from None
+        if not f.is_integer():
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return int(f)
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} must be a number (use inf for infinity), got {value!r}") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return "" if value is None else str(value)
+    if origin in (list, tuple):
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        (inner, *_) = typing.get_args(tp) or (Any,)
+        items = [_coerce(v, inner, key) if inner is not Any else v for v in value]
+        return tuple(items) if origin is tuple else items
+    return value
+
+
+def _build_dataclass(cls: type, values: Mapping[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in names:
+            import difflib
+
+            hint = difflib.get_close_matches(key, names, n=1)
+            extra = f" Did you mean {prefix}{hint[0]}?" if hint else ""
+            raise ConfigError(
+                f"unknown config key {prefix}{key!r}.{extra} Valid keys: {', '.join(prefix + n for n in sorted(names))}."
+            )
+        if dataclasses.is_dataclass(hints[key]):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{prefix}{key} is a section; set its keys as {prefix}{key}.NAME=VALUE")
+            kwargs[key] = _build_dataclass(hints[key], value, prefix=f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(value, hints[key], prefix + key)
+    return cls(**kwargs)
+
+
+def set_dotted(d: dict[str, Any], key: str, value: Any) -> None:
+    """`set_dotted(d, "dp.vpp.rho", 0.3)`: d["dp"]["vpp"]["rho"] = 0.3, making the sections on the way."""
+    parts = key.split(".")
+    node = d
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{key}: {p} is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def get_dotted(d: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    """The value at a dotted key of a nested mapping, or `default` when any part is missing."""
+    node: Any = d
+    for p in key.split("."):
+        if not isinstance(node, Mapping) or p not in node:
+            return default
+        node = node[p]
+    return node
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """{"train.rounds": 5} -> {"train": {"rounds": 5}}."""
+    out: dict[str, Any] = {}
+    for k, v in flat.items():
+        set_dotted(out, k, v)
+    return out
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"train": {"rounds": 5}} -> {"train.rounds": 5} (every leaf under its dotted key)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`["a=1", "dp.epsilon=inf"]` -> nested dict with YAML-typed values."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"expected key=value, got {item!r} (for example train.rounds=5 or dp.epsilon=1.0)")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError(f"empty key in {item!r}")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        set_dotted(out, key, value)
+    return out
+
+
+def deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = deep_merge(dict(out[k]), v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping of keys to values")
+    return data
+
+
+def move_flat_keys(values: Mapping[str, Any], _prefix: str = "") -> dict[str, Any]:
+    """The previous release's keys (`rounds=5`, `model=ViT-B-16`, `dp.vpp_rho=0.3`) moved to their place now,
+    with one deprecation message per key. Entries apply in order, so of an old key and its new key in one
+    mapping the later one wins (a flat key set on a loaded config overrides it). Run it once, on user input."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        full = _prefix + str(key)
+        new = RENAMED.get(full)
+        if new is None or (full == "model" and isinstance(value, Mapping)):
+            if isinstance(value, Mapping) and any(old.startswith(full + ".") for old in RENAMED):
+                value = move_flat_keys(value, full + ".")
+            out = deep_merge(out, {key: value})
+            continue
+        if full not in _WARNED:
+            _WARNED.add(full)
+            log.warning("config key %r is now %r; the old name works in this release and will be refused in the next", full, new)
+        out = deep_merge(out, unflatten({new[len(_prefix):]: value}))
+    return out
+
+
+def move_flat_key(key: str) -> str:
+    """One dotted key of user input (a swept key) at its place now, with the deprecation message once."""
+    flat = flatten(move_flat_keys(unflatten({key: None})))
+    return next(iter(flat))
+
+
+_WARNED: set[str] = set()
+
+
+def merge_config(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """`extra` over `base` (sectioned keys: user input has been through `move_flat_keys` at the edge)."""
+    return deep_merge(base, extra)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """A run config file (YAML), its old keys moved into their sections."""
+    return move_flat_keys(load_yaml(path))
+
+
+def parse_user_overrides(items: list[str]) -> dict[str, Any]:
+    """Command-line `key=value` overrides as a nested mapping, their old keys moved into their sections."""
+    return move_flat_keys(parse_overrides(items))
