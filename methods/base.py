@@ -86,6 +86,15 @@ class Upload:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+def weighted_mean(uploads: Sequence[Upload], key: str) -> Tensor:
+    """sum_k n_k x_k / sum_k n_k over the uploads (in the order given: client-id order)."""
+    total = float(sum(u.num_samples for u in uploads))
+    out = torch.zeros_like(uploads[0].tensors[key], dtype=torch.float32)
+    for u in uploads:
+        out += u.tensors[key].float() * (u.num_samples / total)
+    return out
+
+
 @dataclass
 class ServerResult:
     """What `aggregate` may return instead of the bare new state: the state and server-side metrics

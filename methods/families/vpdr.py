@@ -78,7 +78,7 @@ from torch import Tensor
 
 from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, EnvSpec, LocalResult, Method, Needs, TrainConfig, Upload
-from raysim.methods.families.zoo import COUNTS_NOTE
+from raysim.methods.families.prototype import COUNTS_NOTE
 from raysim.models.vit_adapter import (
     BUNDLED_VIT,
     HETERO,

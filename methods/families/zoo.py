@@ -1,6 +1,9 @@
-"""What the heterogeneous-model methods (FedTSP, FedProto, FedTGP, local) share: the client's own model
-from the zoo (client i gets model i mod X, SPEC 2.5), its training loop (plain SGD, fresh each round,
-SPEC 2.4), per-class feature means, and the server's holders-only prototype average."""
+"""What the heterogeneous-model methods (FedTSP, FedProto, FedTGP, local and the other zoo baselines) share:
+the client's own model from the zoo (client i gets model i mod X, SPEC 2.5), its options and their checks,
+its training loop (plain SGD, fresh each round, SPEC 2.4), its per-class feature means, and the global
+Linear(d, C) head that LG-FedAvg, FedGen and FedGH broadcast onto the clients' own extractors (every zoo
+model ends in the same head whatever its extractor, so heads of different architectures can be averaged).
+The prototype arithmetic is methods/families/prototype.py's."""
 
 from __future__ import annotations
 
@@ -9,12 +12,15 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from raysim.errors import ConfigError
-from raysim.methods.base import ClientData, EnvSpec, Method, Needs, Upload
-from raysim.models.zoo import HtModel, arch_of, make_client_model
+from raysim.methods.base import ClientData, EnvSpec, Method, Needs, Upload, weighted_mean
+from raysim.models.zoo import FAMILIES, HtModel, arch_of, make_client_model
 from raysim.sampling import epoch_batches
+
+# every architecture of the zoo (all ResNet-n are in HtFE9)
+ARCHS: tuple[str, ...] = tuple(dict.fromkeys(a for fam in FAMILIES.values() for a in fam))
 
 
 @dataclass
@@ -29,27 +35,44 @@ class HtEnv:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-COUNTS_NOTE = (
-    "per-class sample counts: public in the papers (the server's prototype weights use them), and held fixed "
-    "by the prototype mechanisms' neighbouring relation (replace one example by another of its class)"
-)
+@dataclass
+class ZooOptions:
+    """Knobs shared by the prototype methods on the heterogeneous client zoo."""
+
+    lam: float = 1.0
+    model_family: str = "HtFE2"  # HtFE2 | HtFE3 | HtFE4 | HtFE9 | tiny
+    feature_dim: int = 512
+    client_lr: float = 0.0  # plain-SGD client lr; 0 = the run's lr
+    shuffle: bool = False  # False = fixed data order (the official loaders)
+    protocol: str = "head"  # head | htfllib (predict by the nearest global prototype; see methods/fedtsp/fedproto.py)
 
 
-def aggregate_prototypes(protos: Tensor, counts: Tensor, weighting: str = "samples") -> tuple[Tensor, Tensor]:
-    """protos: (K, C, d) client class means; counts: (K, C) samples behind each -> (P (C, d), has (C,)).
+@dataclass
+class ZooModelOptions:
+    """The knobs of the client's own zoo model every zoo method without prototype knobs has."""
 
-    Only the clients holding class c enter P_c: "samples" weights them by n_{k,c} / sum_j n_{j,c}
-    (fedtsp.txt Eq. 6), "uniform" takes their plain mean (the official code). Classes nobody holds are 0."""
-    holders = counts > 0
-    w = counts.float() if weighting == "samples" else holders.float()
-    w = w * holders
-    total = w.sum(0)
-    w = w / total.clamp_min(1e-12)
-    return torch.einsum("kc,kcd->cd", w, protos.float()), total > 0
+    model_family: str = "HtFE2"  # HtFE2 | HtFE3 | HtFE4 | HtFE9 | tiny
+    feature_dim: int = 512
+    client_lr: float = 0.0  # plain-SGD client lr; 0 = the run's lr
+    shuffle: bool = False  # False = fixed data order (the official loaders)
 
 
-def stack_uploads(uploads: list[Upload], key: str = "protos") -> tuple[Tensor, Tensor]:
-    return torch.stack([u.tensors[key] for u in uploads]), torch.stack([u.tensors["counts"] for u in uploads])
+def validate_common(o: Any, name: str) -> None:
+    """Checks of the zoo options (model_family, feature_dim, client_lr) and, where the options have them, of
+    the prototype knobs (lam, proto_weighting, protocol)."""
+    if o.model_family.lower() not in {f.lower() for f in FAMILIES}:
+        raise ConfigError(f"{name}.model_family must be one of {', '.join(FAMILIES)}, got {o.model_family!r}")
+    if o.feature_dim < 1:
+        raise ConfigError(f"{name}.feature_dim must be >= 1")
+    if o.client_lr < 0:
+        raise ConfigError(f"{name}.client_lr must be >= 0 (0 = the run's lr)")
+    if getattr(o, "lam", 0.0) < 0:
+        raise ConfigError(f"{name}.lam must be >= 0")
+    if getattr(o, "proto_weighting", "samples") not in ("samples", "uniform"):
+        raise ConfigError(f"{name}.proto_weighting must be samples or uniform")
+    if getattr(o, "protocol", "head") not in ("head", "htfllib"):
+        raise ConfigError(f"{name}.protocol must be head (predict with the client's head) or htfllib "
+                          f"(predict by the nearest global prototype, as HtFLlib), got {o.protocol!r}")
 
 
 class HeteroMethod(Method):
@@ -154,36 +177,46 @@ class HeteroMethod(Method):
         return lambda x: model(x.to(env.device))[1]
 
 
-class PerExampleMeans:
-    """Each training example's mean of a per-example vector (its feature or its logits) over the batches
-    that visited it during local training. `rows(labels)` gives one row per visited example, so a
-    prototype release of them sees one row per example (the n_c its sensitivity 2R/n_c counts); their
-    class means equal the class means of all rows collected (HtFLlib's agg_func) whenever every visited
-    example was visited equally often (the fixed data order: the same drop_last batches each epoch)."""
+class GlobalHead:
+    """A global Linear(d, C) head the server broadcasts and every client puts on its own extractor."""
 
-    def __init__(self, n: int, width: int) -> None:
-        self.sums = torch.zeros(n, width)
-        self.hits = torch.zeros(n)
+    opts: Any
+    model: Callable[[HtEnv, dict[str, Any]], HtModel]  # HeteroMethod's (an annotation: nothing shadowed)
 
-    def add(self, idx: Tensor, rows: Tensor) -> None:
-        idx = idx.cpu().long()
-        self.sums.index_add_(0, idx, rows.detach().float().cpu())
-        self.hits.index_add_(0, idx, torch.ones(len(idx)))
+    def init_head(self, env: HtEnv, rng: torch.Generator) -> dict[str, Tensor]:
+        """A freshly initialised Linear(d, C) (PyTorch's default init), a function of `rng` only."""
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            head = nn.Linear(env.feature_dim, env.num_classes)
+        return head_of(head)
 
-    def rows(self, labels: Tensor) -> tuple[Tensor, Tensor]:
-        """(means (m, width), labels (m,)) of the m examples visited at least once."""
-        seen = self.hits > 0
-        return self.sums[seen] / self.hits[seen, None], labels.cpu()[seen]
+    def with_global_head(self, model: HtModel, shared: dict[str, Tensor]) -> HtModel:
+        """`model` with its head replaced by the broadcast one (HtFLlib's set_parameters)."""
+        with torch.no_grad():
+            model.head.weight.copy_(shared["head.weight"])
+            model.head.bias.copy_(shared["head.bias"])
+        return model
+
+    def predictor(self, env: HtEnv, shared: dict[str, Tensor], private: dict[str, Any], data: Optional[ClientData] = None):
+        """The client's own extractor with the global head."""
+        model = self.with_global_head(self.model(env, private), shared).eval()
+        return lambda x: model(x.to(env.device))[1]
 
 
-def release_class_means(privacy: Any, name: str, means: PerExampleMeans, labels: Tensor, num_classes: int) -> dict[str, Tensor]:
-    """{name: the prototype release of the per-example means, counts: the examples behind each class mean}.
-    The counts are those of the visited examples: which positions drop_last leaves out is fixed by n and
-    B (or by the rng), so under the release's relation (replace an example by one of its class) they are
-    as public as the class counts."""
-    rows, y = means.rows(labels)
-    return {name: privacy.release(name, features=rows, labels=y, num_classes=num_classes),
-            "counts": torch.bincount(y, minlength=num_classes).float()}
+HEAD_KEYS = ("head.weight", "head.bias")
+
+
+def head_of(module: nn.Module) -> dict[str, Tensor]:
+    """{"head.weight", "head.bias"} of a Linear head (or of an HtModel's head), detached on the CPU."""
+    lin = module.head if isinstance(module, HtModel) else module
+    assert isinstance(lin, nn.Linear)
+    return {"head.weight": lin.weight.detach().cpu().clone(), "head.bias": lin.bias.detach().cpu().clone()}
+
+
+def average_heads(uploads: list[Upload]) -> dict[str, Tensor]:
+    """sum_k n_k head_k / sum_k n_k, per tensor."""
+    return {k: weighted_mean(uploads, k) for k in HEAD_KEYS}
 
 
 def _snapshot(model: torch.nn.Module) -> dict[str, Tensor]:

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from raysim.errors import ConfigError
-from raysim.methods.base import ClientData, LocalResult, register_method
-from raysim.methods.common import ClipPromptMethod, sgd, weighted_mean
+from raysim.methods.base import ClientData, LocalResult, register_method, weighted_mean
+from raysim.methods.families.prompt import ClipPromptMethod, sgd
 from raysim.privacy.mechanisms import dpsgd
 
 

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from raysim.errors import ConfigError
-from raysim.methods.base import ClientData, LocalResult, Needs, register_method
-from raysim.methods.common import ClipPromptMethod, PromptLossParts, sgd, weighted_mean
+from raysim.methods.base import ClientData, LocalResult, Needs, register_method, weighted_mean
+from raysim.methods.families.prompt import ClipPromptMethod, PromptLossParts, seeded, sgd
 from raysim.methods.fedsept.fedsept_parts import (
     add_grads,
     diversity_loss,
@@ -38,7 +38,6 @@ from raysim.methods.fedsept.fedsept_parts import (
     make_router,
     prompt_fusion,
     public_basis,
-    seeded,
 )
 from raysim.privacy.mechanisms import dpsgd
 

@@ -4,14 +4,14 @@ subspace-decomposed expert prompts (SEM), the client router of Eq. 7, the two re
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from raysim.errors import ConfigError
+from raysim.methods.families.prompt import seeded
 
 # -- SEM: P_m = A_m B0 + R (Eq. 5) --------------------------------------------------------------
 
@@ -141,15 +141,3 @@ def add_grads(params: list[Tensor], grads: Optional[list[Optional[Tensor]]]) -> 
     for p, g in zip(params, grads or []):
         if g is not None:
             p.grad = g if p.grad is None else p.grad + g
-
-
-# -- reproducibility -------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def seeded(rng: torch.Generator) -> Iterator[None]:
-    """Run a block (dropout, nn init) on a global RNG seeded from `rng`, restoring the global state after."""
-    seed = int(torch.randint(0, 2**62, (1,), generator=rng).item())
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield

@@ -38,9 +38,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from raysim.errors import ConfigError
-from raysim.methods.base import ClientData, LocalResult, register_method
-from raysim.methods.common import ClipPromptMethod, sgd, weighted_mean
-from raysim.methods.fedsept.fedsept_parts import seeded
+from raysim.methods.base import ClientData, LocalResult, register_method, weighted_mean
+from raysim.methods.families.prompt import ClipPromptMethod, seeded, sgd
 from raysim.privacy.mechanisms import dpsgd
 
 

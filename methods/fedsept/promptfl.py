@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from raysim.methods.base import ClientData, LocalResult, register_method
-from raysim.methods.common import ClipPromptMethod, PromptLossParts, sgd, weighted_mean
+from raysim.methods.base import ClientData, LocalResult, register_method, weighted_mean
+from raysim.methods.families.prompt import ClipPromptMethod, PromptLossParts, sgd
 from raysim.privacy.mechanisms import dpsgd
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from raysim.methods.base import ClientData, LocalResult, register_method
-from raysim.methods.common import ClipPromptMethod
+from raysim.methods.families.prompt import ClipPromptMethod
 
 
 @dataclass

@@ -42,10 +42,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from raysim.errors import ConfigError
-from raysim.methods.base import ClientData, LocalResult, register_method
-from raysim.methods.common import weighted_mean
-from raysim.methods.families.zoo import HeteroMethod, HtEnv, snapshot
-from raysim.methods.fedtsp.fedproto import validate_common
+from raysim.methods.base import ClientData, LocalResult, register_method, weighted_mean
+from raysim.methods.families.zoo import HeteroMethod, HtEnv, snapshot, validate_common
 from raysim.privacy.mechanisms import update
 
 

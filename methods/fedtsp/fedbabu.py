@@ -7,7 +7,7 @@ Client   Loads (b, h), trains the body for E local epochs with CE(h(f(x)), y) wh
 Server   b <- sum_k n_k b_k / sum_k n_k; h is never updated (it is the same random head all run).
 Eval     GFL (`finetune_epochs=0`): every client evaluates (b, h).
          PFL ("FedBABU-FT", `finetune_epochs=F>0`): the head is fine-tuned for F epochs on the client's
-         own data before testing, the body frozen: the same head fine-tuning as FedAvg-FT (fedavg.py), which
+         own data before testing, the body frozen: the same head fine-tuning as FedAvg-FT (`Homogeneous.finetune_head`), which
          fedtsp.txt section 4.5 uses for every "-FT" row ("fine-tuning the classifier always outperforms full
          fine-tuning"; the FedBABU paper and PFLlib fine-tune body and head).
 """
@@ -20,12 +20,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from raysim.errors import ConfigError
-from raysim.methods.base import ClientData, LocalResult, register_method
-from raysim.methods.common import weighted_mean
+from raysim.methods.base import ClientData, LocalResult, register_method, weighted_mean
+from raysim.methods.families.homogeneous import Homogeneous, flat_body, frozen, head_size, join_weights, split_weights, validate_homogeneous
 from raysim.methods.families.zoo import HeteroMethod, HtEnv
-from raysim.methods.fedtsp.fedavg import Homogeneous, validate_homogeneous
-from raysim.methods.fedtsp.gfl_parts import flat_body, frozen, head_size, join_weights, split_weights
 from raysim.privacy.mechanisms import update
 
 
@@ -39,10 +36,6 @@ class Options:
     finetune_lr: float = 0.0  # 0 = client_lr
 
     def validate(self) -> None:
-        if self.feature_dim < 1:
-            raise ConfigError("fedbabu.feature_dim must be >= 1")
-        if self.client_lr < 0:
-            raise ConfigError("fedbabu.client_lr must be >= 0 (0 = the run's lr)")
         validate_homogeneous(self, "fedbabu")
 
 

@@ -24,23 +24,20 @@ import torch
 
 from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, LocalResult, register_method
-from raysim.methods.families.zoo import (
+from raysim.methods.families.prototype import (
     COUNTS_NOTE,
-    HeteroMethod,
-    HtEnv,
     PerExampleMeans,
     aggregate_prototypes,
+    proto_mse,
     release_class_means,
-    snapshot,
     stack_uploads,
 )
-from raysim.methods.fedtsp.fedproto import proto_mse, validate_common
-from raysim.methods.fedtsp.lgfedavg import Options as LGOptions
+from raysim.methods.families.zoo import HeteroMethod, HtEnv, ZooModelOptions, snapshot, validate_common
 from raysim.privacy.mechanisms import prototype, public
 
 
 @dataclass
-class Options(LGOptions):
+class Options(ZooModelOptions):
     lam: float = 1.0  # HtFLlib's lamda default (the FedTSP scripts do not set it for FedDistill)
 
     def validate(self) -> None:

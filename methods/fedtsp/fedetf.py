@@ -35,11 +35,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from raysim.errors import ConfigError
-from raysim.methods.base import ClientData, LocalResult, register_method
-from raysim.methods.common import weighted_mean
+from raysim.methods.base import ClientData, LocalResult, register_method, weighted_mean
+from raysim.methods.families.homogeneous import Homogeneous, class_counts, flatten_state, validate_homogeneous
 from raysim.methods.families.zoo import HeteroMethod, HtEnv
-from raysim.methods.fedtsp.fedavg import Homogeneous, flatten_state, validate_homogeneous
-from raysim.methods.fedtsp.gfl_parts import class_counts
 from raysim.models.zoo import HtModel, make_client_model
 from raysim.privacy.mechanisms import update
 from raysim.sampling import epoch_batches
@@ -60,14 +58,10 @@ class Options:
     finetune_proj_lr: float = 0.05  # lr of the projection fine-tuning (official 0.05)
 
     def validate(self) -> None:
-        if self.feature_dim < 1:
-            raise ConfigError("fedetf.feature_dim must be >= 1")
         if self.proj_dim < 0:
             raise ConfigError("fedetf.proj_dim must be >= 0 (0 = the class count)")
         if not self.beta_init > 0:
             raise ConfigError("fedetf.beta_init must be > 0")
-        if self.client_lr < 0:
-            raise ConfigError("fedetf.client_lr must be >= 0 (0 = the run's lr)")
         if self.finetune_inner < 1 or self.finetune_proj_lr < 0:
             raise ConfigError("fedetf.finetune_inner must be >= 1 and fedetf.finetune_proj_lr >= 0")
         validate_homogeneous(self, "fedetf")

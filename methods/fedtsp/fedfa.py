@@ -16,7 +16,7 @@ Client   For E epochs, per mini-batch (plain SGD at the client lr on the whole m
          Uploads the trained w and its anchors (the broadcast ones for the classes it lacks).
 Server   w <- sample-weighted FedAvg; A <- sample-weighted average of the clients' anchors.
 Eval     GFL (`finetune_epochs=0`): the global model. PFL ("FedFA-FT", `finetune_epochs` > 0): the head
-         fine-tuned on the client's own data, the extractor frozen (as fedavg.py).
+         fine-tuned on the client's own data, the extractor frozen (as FedAvg-FT: `Homogeneous`, methods/families/homogeneous.py).
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from raysim.errors import ConfigError
-from raysim.methods.base import ClientData, LocalResult, register_method
-from raysim.methods.common import weighted_mean
+from raysim.methods.base import ClientData, LocalResult, register_method, weighted_mean
+from raysim.methods.families.homogeneous import Homogeneous, flatten_state, validate_homogeneous
 from raysim.methods.families.zoo import HeteroMethod, HtEnv
-from raysim.methods.fedtsp.fedavg import Homogeneous, flatten_state, validate_homogeneous
 from raysim.privacy.mechanisms import update
 from raysim.sampling import epoch_batches
 
@@ -49,14 +48,10 @@ class Options:
     finetune_lr: float = 0.0  # 0 = client_lr
 
     def validate(self) -> None:
-        if self.feature_dim < 1:
-            raise ConfigError("fedfa.feature_dim must be >= 1")
         if self.lam < 0 or self.calib_lr < 0:
             raise ConfigError("fedfa.lam and fedfa.calib_lr must be >= 0 (0 turns the term off)")
         if not 0 <= self.anchor_momentum <= 1:
             raise ConfigError("fedfa.anchor_momentum must be in [0, 1]")
-        if self.client_lr < 0:
-            raise ConfigError("fedfa.client_lr must be >= 0 (0 = the run's lr)")
         validate_homogeneous(self, "fedfa")
 
 

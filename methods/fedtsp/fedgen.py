@@ -39,15 +39,14 @@ from torch import Tensor, nn
 
 from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, LocalResult, ServerResult, register_method
-from raysim.methods.families.zoo import COUNTS_NOTE, HtEnv, snapshot
-from raysim.methods.fedtsp.fedproto import validate_common
-from raysim.methods.fedtsp.lgfedavg import LGFedAvg, average_heads, head_of
-from raysim.methods.fedtsp.lgfedavg import Options as LGOptions
+from raysim.methods.families.prototype import COUNTS_NOTE
+from raysim.methods.families.zoo import HtEnv, ZooModelOptions, average_heads, head_of, snapshot, validate_common
+from raysim.methods.fedtsp.lgfedavg import LGFedAvg
 from raysim.privacy.mechanisms import public, update
 
 
 @dataclass
-class Options(LGOptions):
+class Options(ZooModelOptions):
     noise_dim: int = 32
     hidden_dim: int = 512
     gen_lr: float = 0.1  # the generator's Adam learning rate

@@ -26,15 +26,13 @@ from torch import Tensor
 
 from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, LocalResult, ServerResult, register_method
-from raysim.methods.families.zoo import COUNTS_NOTE, HeteroMethod, HtEnv, snapshot, stack_uploads
-from raysim.methods.fedtsp.fedproto import validate_common
-from raysim.methods.fedtsp.lgfedavg import GlobalHead
-from raysim.methods.fedtsp.lgfedavg import Options as LGOptions
+from raysim.methods.families.prototype import COUNTS_NOTE, stack_uploads
+from raysim.methods.families.zoo import GlobalHead, HeteroMethod, HtEnv, ZooModelOptions, snapshot, validate_common
 from raysim.privacy.mechanisms import prototype, public
 
 
 @dataclass
-class Options(LGOptions):
+class Options(ZooModelOptions):
     server_lr: float = 0.01
     server_epochs: int = 100  # epochs over the uploaded prototypes per round (HtFLlib's default)
 

@@ -2,7 +2,7 @@
 heterogeneous client zoo (SPEC 2.9: mentee lr 0.01, T_start = T_end = 0.95).
 
 Client   The mentor t is the client's own zoo model (private); the mentee s is a copy of the global small
-         model (methods/fedtsp/shared_small.py). With a private Linear(d, d) W_h (no bias) that maps the mentee's
+         model (`SharedSmallModel`, methods/families/homogeneous.py). With a private Linear(d, d) W_h (no bias) that maps the mentee's
          features to the mentor's, on every mini-batch (adaptive mutual distillation):
              w   = 1 / (CE_t + CE_s)                          (adaptive: weak when the predictions are poor)
              L_t = CE_t + w * KL(p_s || p_t) + w * MSE(f_t, W_h f_s)
@@ -45,10 +45,9 @@ from torch import Tensor, nn
 
 from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, LocalResult, register_method
+from raysim.methods.families.homogeneous import SharedOptions, SharedSmallModel, clip_grads, flatten_state, mean_metrics, validate_shared
 from raysim.methods.families.zoo import HtEnv, snapshot
-from raysim.methods.fedtsp.fedavg import flatten_state
 from raysim.methods.fedtsp.fml import kl_to
-from raysim.methods.fedtsp.shared_small import SharedOptions, SharedSmallModel, clip_grads, mean_metrics, validate_shared
 from raysim.privacy.mechanisms import update
 
 

@@ -30,9 +30,8 @@ from torch import Tensor, nn
 
 from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, LocalResult, register_method
+from raysim.methods.families.homogeneous import SharedOptions, SharedSmallModel, flatten_state, load_flat, mean_metrics, validate_shared
 from raysim.methods.families.zoo import HtEnv, snapshot
-from raysim.methods.fedtsp.fedavg import flatten_state, load_flat
-from raysim.methods.fedtsp.shared_small import SharedOptions, SharedSmallModel, mean_metrics, validate_shared
 from raysim.models.zoo import HtModel
 from raysim.privacy.mechanisms import update
 

@@ -34,12 +34,19 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from raysim.errors import ConfigError
-from raysim.methods.base import ClientData, LocalResult, Upload, register_method
-from raysim.methods.common import weighted_mean
-from raysim.methods.families.zoo import COUNTS_NOTE, HeteroMethod, HtEnv, aggregate_prototypes
-from raysim.methods.fedtsp.fedavg import Homogeneous, validate_homogeneous
-from raysim.methods.fedtsp.fedproto import proto_mse
-from raysim.methods.fedtsp.gfl_parts import flat_body, flat_head, frozen, head_size, join_weights, split_weights
+from raysim.methods.base import ClientData, LocalResult, Upload, register_method, weighted_mean
+from raysim.methods.families.homogeneous import (
+    Homogeneous,
+    flat_body,
+    flat_head,
+    frozen,
+    head_size,
+    join_weights,
+    split_weights,
+    validate_homogeneous,
+)
+from raysim.methods.families.prototype import COUNTS_NOTE, aggregate_prototypes, proto_mse
+from raysim.methods.families.zoo import HeteroMethod, HtEnv
 from raysim.privacy.mechanisms import prototype, public, update
 from raysim.sampling import epoch_batches
 
@@ -60,8 +67,6 @@ class Options:
     finetune_lr: float = 0.0
 
     def validate(self) -> None:
-        if self.feature_dim < 1:
-            raise ConfigError("fedpac.feature_dim must be >= 1")
         if self.lam < 0 or self.head_epochs < 0 or self.client_lr < 0:
             raise ConfigError("fedpac.lam, fedpac.head_epochs and fedpac.client_lr must be >= 0")
         if not 0 <= self.min_weight < 1 or self.qp_iters < 1:

@@ -36,8 +36,8 @@ from torch import Tensor
 
 from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, LocalResult, register_method
-from raysim.methods.families.zoo import COUNTS_NOTE, HeteroMethod, HtEnv, aggregate_prototypes, snapshot, stack_uploads
-from raysim.methods.fedtsp.fedavg import ARCHS
+from raysim.methods.families.prototype import COUNTS_NOTE, aggregate_prototypes, stack_uploads
+from raysim.methods.families.zoo import ARCHS, HeteroMethod, HtEnv, snapshot
 from raysim.models.zoo import FAMILIES, arch_of, make_client_model
 from raysim.privacy.mechanisms import prototype, public
 from raysim.sampling import epoch_batches

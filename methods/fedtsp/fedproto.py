@@ -24,35 +24,20 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, LocalResult, register_method
-from raysim.methods.families.zoo import (
+from raysim.methods.families.prototype import (
     COUNTS_NOTE,
-    HeteroMethod,
-    HtEnv,
     PerExampleMeans,
     aggregate_prototypes,
+    nearest_prototype_logits,
+    proto_mse,
     release_class_means,
-    snapshot,
     stack_uploads,
 )
-from raysim.models.zoo import FAMILIES
+from raysim.methods.families.zoo import HeteroMethod, HtEnv, ZooOptions, snapshot, validate_common
 from raysim.privacy.mechanisms import prototype, public
-
-
-@dataclass
-class ZooOptions:
-    """Knobs shared by the prototype methods on the heterogeneous client zoo."""
-
-    lam: float = 1.0
-    model_family: str = "HtFE2"  # HtFE2 | HtFE3 | HtFE4 | HtFE9 | tiny
-    feature_dim: int = 512
-    client_lr: float = 0.0  # plain-SGD client lr; 0 = the run's lr
-    shuffle: bool = False  # False = fixed data order (the official loaders)
-    protocol: str = "head"  # head | htfllib (predict by the nearest global prototype; see the module docstring)
 
 
 @dataclass
@@ -61,35 +46,6 @@ class Options(ZooOptions):
 
     def validate(self) -> None:
         validate_common(self, "fedproto")
-
-
-def validate_common(o, name: str) -> None:
-    if o.model_family.lower() not in {f.lower() for f in FAMILIES}:
-        raise ConfigError(f"{name}.model_family must be one of {', '.join(FAMILIES)}, got {o.model_family!r}")
-    if o.feature_dim < 1:
-        raise ConfigError(f"{name}.feature_dim must be >= 1")
-    if o.client_lr < 0:
-        raise ConfigError(f"{name}.client_lr must be >= 0 (0 = the run's lr)")
-    if getattr(o, "lam", 0.0) < 0:
-        raise ConfigError(f"{name}.lam must be >= 0")
-    if getattr(o, "proto_weighting", "samples") not in ("samples", "uniform"):
-        raise ConfigError(f"{name}.proto_weighting must be samples or uniform")
-    if getattr(o, "protocol", "head") not in ("head", "htfllib"):
-        raise ConfigError(f"{name}.protocol must be head (predict with the client's head) or htfllib "
-                          f"(predict by the nearest global prototype, as HtFLlib), got {o.protocol!r}")
-
-
-def proto_mse(feats: Tensor, y: Tensor, protos: Tensor, has: Tensor) -> Tensor:
-    """MSE(f, P[y]) where the sample's class has a prototype; other rows compare f with itself (0)."""
-    target = torch.where(has[y][:, None], protos[y], feats.detach())
-    return F.mse_loss(feats, target)
-
-
-def nearest_prototype_logits(feats: Tensor, protos: Tensor, has: Tensor) -> Tensor:
-    """HtFLlib's prototype classifier as logits: -MSE(f, P[c]) = -mean_d (f_d - P[c]_d)^2 for the classes
-    with a prototype, -inf for the others (never predicted); argmax = the nearest prototype."""
-    d = (feats[:, None, :].float() - protos[None].float()).pow(2).mean(-1)
-    return torch.where(has[None, :], -d, torch.full_like(d, float("-inf")))
 
 
 @register_method

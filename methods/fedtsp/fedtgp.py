@@ -22,8 +22,9 @@ from torch import Tensor, nn
 
 from raysim.errors import ConfigError
 from raysim.methods.base import ServerResult, register_method
-from raysim.methods.families.zoo import aggregate_prototypes, stack_uploads
-from raysim.methods.fedtsp.fedproto import FedProto, ZooOptions, validate_common
+from raysim.methods.families.prototype import aggregate_prototypes, stack_uploads
+from raysim.methods.families.zoo import ZooOptions, validate_common
+from raysim.methods.fedtsp.fedproto import FedProto
 
 
 @dataclass

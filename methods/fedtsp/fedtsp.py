@@ -41,7 +41,8 @@ from torch import Tensor
 
 from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, EnvSpec, LocalResult, Needs, ServerResult, register_method
-from raysim.methods.families.zoo import COUNTS_NOTE, HeteroMethod, HtEnv, aggregate_prototypes, snapshot, stack_uploads
+from raysim.methods.families.prototype import COUNTS_NOTE, aggregate_prototypes, stack_uploads
+from raysim.methods.families.zoo import HeteroMethod, HtEnv, snapshot
 from raysim.models.zoo import FAMILIES
 from raysim.privacy.mechanisms import embedding, prototype, public
 

@@ -11,7 +11,7 @@ Server   w <- sample-weighted FedAvg of the weights (feature extractor and head)
          FedTSP's server half, unchanged: P^I from the class means, E_s prompt steps through the frozen
          PLM, new P^T (the private variant of section 3.5 works as in fedtsp).
 Eval     GFL: the global model w. PFL ("Ours-*-FT", `finetune_epochs` > 0): w with its head fine-tuned on
-         each client's data, kept in the client's private state and never uploaded (see fedavg.py).
+         each client's data, kept in the client's private state and never uploaded (`Homogeneous`, methods/families/homogeneous.py).
 
 Why a method of its own rather than an option of fedtsp: the homogeneous variant changes what is
 uploaded and broadcast (the model weights), what the client keeps (no model of its own, a fine-tuned
@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from raysim.methods.base import ClientData, LocalResult, register_method
+from raysim.methods.families.homogeneous import Homogeneous, flatten_state, validate_global_model
 from raysim.methods.fedtsp import fedtsp
-from raysim.methods.fedtsp.fedavg import Homogeneous, flatten_state, validate_homogeneous
 from raysim.methods.fedtsp.fedtsp import FedTSP, TSPEnv
 from raysim.privacy.mechanisms import update
 
@@ -42,7 +42,7 @@ class Options(fedtsp.Options):
 
     def validate(self) -> None:
         super().validate()
-        validate_homogeneous(self, "fedtsp_gfl")
+        validate_global_model(self, "fedtsp_gfl")
 
 
 @register_method

@@ -1,7 +1,7 @@
 """FML, Federated Mutual Learning (Shen et al. 2020), on the heterogeneous client zoo (SPEC 2.9: alpha = beta = 0.5).
 
 Client   Its own zoo model ("local", private) and a copy of the global "meme" model (one small architecture
-         for every client, methods/fedtsp/shared_small.py) learn from each other, deep-mutual-learning style,
+         for every client, `SharedSmallModel` of methods/families/homogeneous.py) learn from each other, deep-mutual-learning style,
          on every mini-batch:
              L_local = alpha * CE(z_local, y) + (1 - alpha) * KL(p_meme || p_local)
              L_meme  = beta  * CE(z_meme, y)  + (1 - beta)  * KL(p_local || p_meme)
@@ -28,9 +28,8 @@ from torch import Tensor
 
 from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, LocalResult, register_method
+from raysim.methods.families.homogeneous import SharedOptions, SharedSmallModel, clip_grads, flatten_state, mean_metrics, validate_shared
 from raysim.methods.families.zoo import snapshot
-from raysim.methods.fedtsp.fedavg import flatten_state
-from raysim.methods.fedtsp.shared_small import SharedOptions, SharedSmallModel, clip_grads, mean_metrics, validate_shared
 from raysim.privacy.mechanisms import update
 
 

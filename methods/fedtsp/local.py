@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raysim.methods.base import ClientData, LocalResult, register_method
-from raysim.methods.families.zoo import HeteroMethod, snapshot
-from raysim.methods.fedtsp.fedproto import validate_common
+from raysim.methods.families.zoo import HeteroMethod, snapshot, validate_common
 
 
 @dataclass

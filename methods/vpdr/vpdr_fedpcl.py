@@ -30,8 +30,8 @@ from torch import Tensor
 
 from raysim.errors import ConfigError
 from raysim.methods.base import register_method
+from raysim.methods.families.prototype import aggregate_prototypes, stack_uploads
 from raysim.methods.families.vpdr import VPDRMethod, VPDROptions
-from raysim.methods.families.zoo import aggregate_prototypes, stack_uploads
 from raysim.privacy.prototypes import l2_clip
 
 TAU = 0.07  # vpdr.txt hyperparameter table: FedPCL contrastive temperature

@@ -28,9 +28,8 @@ from torch import Tensor
 
 from raysim.errors import ConfigError
 from raysim.methods.base import ServerResult, register_method
+from raysim.methods.families.prototype import aggregate_prototypes, proto_mse, stack_uploads
 from raysim.methods.families.vpdr import VPDRMethod, VPDROptions
-from raysim.methods.families.zoo import aggregate_prototypes, stack_uploads
-from raysim.methods.fedtsp.fedproto import proto_mse
 from raysim.methods.fedtsp.fedtgp import PrototypeGenerator, adaptive_margin, seeded_generator, train_generator
 
 LAMBDA = 1.0

@@ -24,8 +24,8 @@ from torch import Tensor
 
 from raysim.errors import ConfigError
 from raysim.methods.base import register_method
+from raysim.methods.families.prototype import stack_uploads
 from raysim.methods.families.vpdr import VPDRMethod, VPDROptions
-from raysim.methods.families.zoo import stack_uploads
 from raysim.methods.vpdr.finch import finch_coarsest
 
 TAU = 0.07

@@ -34,8 +34,8 @@ from torch import Tensor, nn
 
 from raysim.errors import ConfigError
 from raysim.methods.base import ServerResult, register_method
+from raysim.methods.families.prototype import stack_uploads
 from raysim.methods.families.vpdr import VPDRMethod, VPDROptions
-from raysim.methods.families.zoo import stack_uploads
 from raysim.privacy.dcr import kd_loss
 
 KD_T = 4.0

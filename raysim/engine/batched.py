@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from raysim.methods.common import ClientJob
+from raysim.methods.families.prompt import ClientJob
 from raysim.privacy.dpsgd import DPSGD, NoDP, per_sample_grads
 from raysim.sampling import generator
 

@@ -465,7 +465,7 @@ DEFAULT_GIA = GIABudget()
 def gia_applies(view: RunView) -> bool:
     """Gradient inversion attacks a CLIP prompt method that declares its loss split (`loss_parts`:
     PromptFL, FedSEPT, DP-FPL) and uploads that shared tensor."""
-    from raysim.methods.common import ClipPromptMethod
+    from raysim.methods.families.prompt import ClipPromptMethod
 
     m = view.method
     return isinstance(m, ClipPromptMethod) and type(m).loss_parts is not ClipPromptMethod.loss_parts

@@ -125,7 +125,7 @@ def test_server_loss_directions_differ_and_subset_labels():
 
 # --------------------------------------------------------------------------------- prototype averaging
 def test_prototype_aggregation_holders_only_weighted_and_uniform():
-    from raysim.methods.families.zoo import aggregate_prototypes
+    from raysim.methods.families.prototype import aggregate_prototypes
 
     protos = torch.tensor([[[1.0, 0.0], [0.0, 0.0], [9.0, 9.0]],
                            [[3.0, 0.0], [0.0, 2.0], [0.0, 0.0]]])  # (K=2, C=3, d=2)
@@ -142,7 +142,7 @@ def test_prototype_aggregation_holders_only_weighted_and_uniform():
 
 
 def test_fedproto_mse_and_fedtgp_margin():
-    from raysim.methods.fedtsp.fedproto import proto_mse
+    from raysim.methods.families.prototype import proto_mse
     from raysim.methods.fedtsp.fedtgp import adaptive_margin, margin_loss
 
     f = torch.tensor([[1.0, 1.0], [2.0, 0.0]])

@@ -47,7 +47,7 @@ def test_zoo_heads_have_one_shape_so_they_can_be_averaged():
 
 
 def test_lgfedavg_averages_only_the_head():
-    from raysim.methods.fedtsp.lgfedavg import HEAD_KEYS
+    from raysim.methods.families.zoo import HEAD_KEYS
 
     m = _method("lgfedavg")
     env = _env(m)
@@ -164,7 +164,7 @@ def test_per_example_means_give_the_class_means_of_all_collected_rows():
     """Two epochs over n = 5 in batches of 2 (fixed order, drop_last): examples 0-3 are seen twice, example 4
     never. Labels (0, 0, 1, 1, 1). Class 0's mean of all four collected rows is the mean of the two
     examples' means; example 4 is not in any class mean, nor in the counts."""
-    from raysim.methods.families.zoo import PerExampleMeans, release_class_means
+    from raysim.methods.families.prototype import PerExampleMeans, release_class_means
 
     acc = PerExampleMeans(5, 2)
     acc.add(torch.tensor([0, 1]), torch.tensor([[1.0, 0.0], [3.0, 0.0]]))
@@ -179,7 +179,7 @@ def test_per_example_means_give_the_class_means_of_all_collected_rows():
 
 
 def test_feddistill_per_class_logit_average_client_and_server():
-    from raysim.methods.fedtsp.fedproto import proto_mse
+    from raysim.methods.families.prototype import proto_mse
 
     m = _method("feddistill")
     env = _env(m)
@@ -211,7 +211,7 @@ def test_feddistill_per_class_logit_average_client_and_server():
 
 # ---------------------------------------------------------------------- FedProto / FedTGP: htfllib
 def test_nearest_prototype_logits_worked_example():
-    from raysim.methods.fedtsp.fedproto import nearest_prototype_logits
+    from raysim.methods.families.prototype import nearest_prototype_logits
 
     f = torch.tensor([[0.0, 0.0], [2.0, 2.0]])
     P = torch.tensor([[1.0, 0.0], [2.0, 1.0], [0.0, 0.0]])
@@ -224,7 +224,7 @@ def test_nearest_prototype_logits_worked_example():
 
 @pytest.mark.parametrize("name", ["fedproto", "fedtgp"])
 def test_htfllib_protocol_predicts_by_nearest_global_prototype(name):
-    from raysim.methods.fedtsp.fedproto import nearest_prototype_logits
+    from raysim.methods.families.prototype import nearest_prototype_logits
 
     kw = {"server_epochs": 1} if name == "fedtgp" else {}
     head, htf = _method(name, **kw), _method(name, protocol="htfllib", **kw)

@@ -145,7 +145,7 @@ def test_fml_mutual_kl_on_a_hand_example():
 
 
 def test_fml_uploads_only_the_meme_model_and_averages_it():
-    from raysim.methods.fedtsp.fedavg import flatten_state
+    from raysim.methods.families.homogeneous import flatten_state
 
     m = _method("fml")
     env, shared = _shared(m)

@@ -61,7 +61,7 @@ def _broadcast(method, shared):
 # ------------------------------------------------------------------------------------ flat weights
 @pytest.mark.parametrize("arch", ["cnn_tiny", "resnet4"])
 def test_flat_weights_round_trip_with_batchnorm_buffers(arch):
-    from raysim.methods.fedtsp.fedavg import flatten_state, load_flat
+    from raysim.methods.families.homogeneous import flatten_state, load_flat
     from raysim.models.zoo import make_client_model
 
     a, b = make_client_model(arch, 16, C, seed=1), make_client_model(arch, 16, C, seed=2)
@@ -78,7 +78,7 @@ def test_flat_weights_round_trip_with_batchnorm_buffers(arch):
 # ------------------------------------------------------------------------------------ aggregation
 @pytest.mark.parametrize("name", ["fedavg", "fedtsp_gfl"])
 def test_aggregation_is_sample_weighted_mean_of_client_models(name, servers):
-    from raysim.methods.fedtsp.fedavg import load_flat
+    from raysim.methods.families.homogeneous import load_flat
 
     env_s, shared = servers[name]
     server, client = _method(name), _method(name)
@@ -126,7 +126,7 @@ def test_fedtsp_gfl_client_loss_is_fedtsps(servers):
 # ------------------------------------------------------------------------------------ -FT
 @pytest.mark.parametrize("name", ["fedavg", "fedtsp_gfl"])
 def test_finetuning_changes_only_the_private_head_never_the_upload(name, servers):
-    from raysim.methods.fedtsp.fedavg import load_flat
+    from raysim.methods.families.homogeneous import load_flat
 
     _, shared = servers[name]
     plain, ft = _method(name), _method(name, finetune_epochs=5, finetune_lr=0.1)

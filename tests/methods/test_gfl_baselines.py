@@ -187,7 +187,7 @@ def test_fedfa_calibration_pulls_the_head_towards_classifying_the_anchors():
     for calib_lr in (0.0, 0.05):
         m, env, shared = _setup("fedfa", calib_lr=calib_lr)
         res = _train(m, env, shared, _data(0, 32, seed=2))
-        from raysim.methods.fedtsp.fedavg import load_flat
+        from raysim.methods.families.homogeneous import load_flat
 
         model = load_flat(m.new_model(env), res.upload["weights"])
         with torch.no_grad():

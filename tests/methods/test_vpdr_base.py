@@ -104,7 +104,7 @@ def test_fedproto_mse_applies_only_when_every_label_has_a_prototype():
 
 
 def test_fedproto_server_holders_renormalised_and_the_codes_all_clients_rule():
-    from raysim.methods.families.zoo import aggregate_prototypes
+    from raysim.methods.families.prototype import aggregate_prototypes
     from raysim.methods.vpdr.vpdr_fedproto import aggregate_all_clients
 
     protos = torch.tensor([[[2.0], [4.0]], [[6.0], [0.0]]])  # 2 clients x 2 classes x d=1
@@ -170,8 +170,8 @@ def test_round_order_is_spec_3_4_release_aggregate_then_train(tmp_path, cache_di
     from raysim.engine.backends import InlineBackend
     from raysim.engine.hosts import initial_private
     from raysim.engine.loop import prepare_data
+    from raysim.methods.families.prototype import aggregate_prototypes, stack_uploads
     from raysim.methods.families.vpdr import VPDRMethod
-    from raysim.methods.families.zoo import aggregate_prototypes, stack_uploads
 
     cfg = build_config(values(tmp_path, cache_dir, "none", backbone=backbone, rounds=3))
     data = prepare_data(cfg, make_method(cfg).needs(), progress=False)

@@ -201,7 +201,7 @@ def test_fedtgp_margin_worked_example():
     # gap_0 = gap_1 = sqrt(1 + 9) = 3.162278 -> margin = min(3.162278, 100); capped at 2 with threshold 2.
     protos = torch.tensor([[[0.0, 0.0], [0.0, 3.0], [0.0, 0.0]], [[2.0, 0.0], [0.0, 0.0], [0.0, 0.0]]])
     counts = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    from raysim.methods.families.zoo import aggregate_prototypes
+    from raysim.methods.families.prototype import aggregate_prototypes
 
     avg, has = aggregate_prototypes(protos, counts, "uniform")
     assert abs(tgp.vpdr_margin(avg, has) - 3.162278) < TOL

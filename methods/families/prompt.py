@@ -1,26 +1,20 @@
-"""Pieces several methods share: FedAvg-style weighted means, the CLIP prompt-tuning base, optimisers."""
+"""What the CLIP prompt-tuning methods (FedSEPT and its baselines, zeroshot) share: the base that builds the
+frozen CLIP env and computes s * <v(x), t_c>, the client-batched round of a one-context method, the attack
+hook's loss split, the prompt optimiser of SPEC 1.7 and a seeded block for dropout and nn init."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterable, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from raysim.methods.base import ClientData, EnvSpec, LocalResult, Method, Upload
+from raysim.methods.base import ClientData, EnvSpec, LocalResult, Method
 
 ParamOrGroup = TypeVar("ParamOrGroup", Tensor, dict[str, Any])  # what torch.optim takes: tensors, or param groups
-
-
-def weighted_mean(uploads: Sequence[Upload], key: str) -> Tensor:
-    """sum_k n_k x_k / sum_k n_k over the uploads (in the order given: client-id order)."""
-    total = float(sum(u.num_samples for u in uploads))
-    out = torch.zeros_like(uploads[0].tensors[key], dtype=torch.float32)
-    for u in uploads:
-        out += u.tensors[key].float() * (u.num_samples / total)
-    return out
 
 
 def sgd(params: Iterable[ParamOrGroup], train, **overrides) -> torch.optim.Optimizer:
@@ -121,3 +115,15 @@ class ClipPromptMethod(Method):
                     losses[k].append(loss.mean().item())
         return [LocalResult(upload={name: ctx.detach().cpu()}, private=j.private, num_samples=j.data.num_train,
                             metrics={"loss": sum(ls) / max(1, len(ls))}) for ctx, j, ls in zip(ctxs, jobs, losses)]
+
+
+# -- reproducibility -------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def seeded(rng: torch.Generator) -> Iterator[None]:
+    """Run a block (dropout, nn init) on a global RNG seeded from `rng`, restoring the global state after."""
+    seed = int(torch.randint(0, 2**62, (1,), generator=rng).item())
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
