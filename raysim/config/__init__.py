@@ -29,6 +29,15 @@ ON_CLIENT_ERROR = ("fail", "drop")
 
 
 @dataclass
+class VPPConfig:
+    """VPP's constants (dp.prototypes=vpp; vpdr.txt Eq. 7-14)."""
+
+    rho: float = 0.3  # share of dimensions in the top-k group I_A, in (0, 0.5]
+    H: float = 0.1  # cap of the discriminativeness scores
+    split: float = 0.1  # r, the share of epsilon spent on the Laplace top-k partition
+
+
+@dataclass
 class DPConfig:
     """Local DP on what a client releases. `epsilon: inf` turns DP off."""
 
@@ -48,9 +57,7 @@ class DPConfig:
     sampling: str = "poisson"
     prototypes: str = "igpp"  # the mechanism of prototype releases: igpp | vpp (vpdr.txt)
     proto_clip: float = 5.0  # R, the per-example L2 clip of prototype releases (vpdr.txt clip_proto_norm)
-    vpp_rho: float = 0.3  # VPP: share of dimensions in the top-k group I_A, in (0, 0.5]
-    vpp_H: float = 0.1  # VPP: cap of the discriminativeness scores
-    vpp_split: float = 0.1  # VPP: r, the share of epsilon spent on the Laplace top-k partition
+    vpp: VPPConfig = field(default_factory=VPPConfig)  # VPP's constants: dp.vpp.rho, dp.vpp.H, dp.vpp.split
 
     @property
     def enabled(self) -> bool:
@@ -554,9 +561,9 @@ def _validate_dp(dp: DPConfig) -> None:
     protos = [n for n in MECHANISMS.names() if MECHANISMS.get(n).applied == "release" and n != "embedding"]
     _check(dp.prototypes in protos, f"dp.prototypes must be one of {', '.join(protos)}, got {dp.prototypes!r}")
     _check(dp.proto_clip > 0, f"dp.proto_clip must be > 0, got {dp.proto_clip}")
-    _check(0 < dp.vpp_rho <= 0.5, f"dp.vpp_rho must be in (0, 0.5], got {dp.vpp_rho}")
-    _check(dp.vpp_H > 0, f"dp.vpp_H must be > 0, got {dp.vpp_H}")
-    _check(0 < dp.vpp_split < 1, f"dp.vpp_split must be in (0, 1), got {dp.vpp_split}")
+    _check(0 < dp.vpp.rho <= 0.5, f"dp.vpp.rho must be in (0, 0.5], got {dp.vpp.rho}")
+    _check(dp.vpp.H > 0, f"dp.vpp.H must be > 0, got {dp.vpp.H}")
+    _check(0 < dp.vpp.split < 1, f"dp.vpp.split must be in (0, 1), got {dp.vpp.split}")
 
 
 def config_from_cli(config_file: str | None, overrides: list[str]) -> RunConfig:

@@ -153,7 +153,7 @@ def test_prototype_release_noise_and_epsilon(mechanism):
     else:
         from raysim.privacy.prototypes import group_kappas, vpp_sigmas
 
-        k = math.ceil(dp.vpp_rho * d)
+        k = math.ceil(dp.vpp.rho * d)
         sA, sB = vpp_sigmas(z, d, k)
         kA, kB = group_kappas(d, k)
         # per coordinate: sigma_A Delta_A on I_A and sigma_B Delta_B on I_B (I_A unknown here: the
@@ -161,9 +161,9 @@ def test_prototype_release_noise_and_epsilon(mechanism):
         mix = (k * (sA * kA * delta_c) ** 2 + (d - k) * (sB * kB * delta_c) ** 2) / d
         assert float(noise.var()) == pytest.approx(mix, rel=0.06)
         pure = [r.epsilon for r in host.ledger(0).releases if r.epsilon is not None]
-        assert pure == [pytest.approx(dp.vpp_split * 1.0 / rounds)]
+        assert pure == [pytest.approx(dp.vpp.split * 1.0 / rounds)]
         # over the run: r eps (Laplace, pure) + the Gaussian part at z composes to the target
-        total = dp.vpp_split + opacus_epsilon([(z, 1.0, rounds)])
+        total = dp.vpp.split + opacus_epsilon([(z, 1.0, rounds)])
         assert total == pytest.approx(1.0, abs=0.011)
 
 
