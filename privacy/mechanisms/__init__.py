@@ -29,7 +29,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, TypeVar
 
 from raysim.errors import ConfigError, UploadViolation
 from raysim.registry import Registry
@@ -171,7 +171,13 @@ class Mechanism:
 MECHANISMS: Registry[type[Mechanism]] = Registry("privacy mechanism")
 
 
-register_mechanism = MECHANISMS.add
+M = TypeVar("M", bound=type[Mechanism])
+
+
+def register_mechanism(cls: M) -> M:
+    """Register a mechanism class under its `name` (a class decorator, in the mechanism's own module)."""
+    MECHANISMS.add(cls)
+    return cls
 
 
 def mechanisms() -> list[type[Mechanism]]:
