@@ -1,5 +1,5 @@
 """User-level DP for FedAvg-style updates: clip the whole model delta to C jointly over all tensors and
-add N(0, (sigma C)^2) to every coordinate. The `client_update` mechanism (privacy/mechanisms.py) calls
+add N(0, (sigma C)^2) to every coordinate. The `client_update` mechanism (privacy/mechanisms/client_update.py) calls
 this with sigma = 2 x its multiplier, because the replace-one sensitivity of a clipped update is 2C."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ method says *what* it releases; this module does the *how*.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Union, cast
 
 import torch
@@ -29,16 +29,7 @@ from raysim.sampling import generator
 from .accountant import calibrate_multiplier
 from .dpsgd import DPSGD, BatchClipSGD, NoDP
 from .ledger import PrivacyLedger, Release
-from .mechanisms import (
-    ClientUpdate,
-    DPFPLReference,
-    DPSGDMechanism,
-    EmbeddingRelease,
-    Mechanism,
-    PrototypeRelease,
-    Public,
-    resolve_all,
-)
+from .mechanisms import Mechanism, Training, resolve_all
 
 
 @dataclass
@@ -107,7 +98,7 @@ class HostPrivacy:
     # -- calibration ---------------------------------------------------------------------------
     def _private_names(self, cid: int) -> list[str]:
         names = self.method.releases_of(cid)
-        return [n for n in names if self.mechanisms.get(n) is not None and not isinstance(self.mechanisms[n], Public)]
+        return [n for n in names if (m := self.mechanisms.get(n)) is not None and m.private]
 
     def plan(self, cid: int, num_train: int) -> tuple[list[tuple[float, int]], float, int]:
         """The Gaussian compositions of the client's whole run [(q, steps)], its pure-DP epsilon, and the
@@ -120,10 +111,10 @@ class HostPrivacy:
         for name in self._private_names(cid):
             mech = self.mechanisms[name]
             assert mech is not None  # _private_names holds only uploads that resolved to a mechanism
-            if mech.name in ("dpsgd", "client_update") and mech.name in seen:
+            if mech.joint and mech.name in seen:
                 continue  # one DP-SGD step / one update release covers every tensor it privatises
             seen.add(mech.name)
-            p = mech.planned(num_train=num_train, steps_per_round=self.method.dp_steps_per_round(num_train),
+            p = mech.plan(num_train=num_train, steps_per_round=self.method.dp_steps_per_round(num_train),
                              batch_size=self.batch_size)
             times = 1 if specs[name].once else rounds
             if p.steps:
@@ -152,36 +143,21 @@ class RoundPrivacy:
         self.shared = shared
         self.released: dict[str, Tensor] = {}
         self.pending: list[Release] = []
-        dp = host.dp
         names = host._private_names(cid)
-        self.dpsgd = [n for n in names if isinstance(host.mechanisms[n], DPSGDMechanism)]
-        self.poisson = bool(self.dpsgd) and dp.sampling == "poisson"
-        self._sgd: Union[DPSGD, BatchClipSGD, NoDP] = NoDP()
-        self.reference = [n for n in names if isinstance(host.mechanisms[n], DPFPLReference)]
-        if self.reference:  # a reference code's noise, reproduced: recorded as not valid (mechanisms.DPFPLReference)
-            assert not self.dpsgd, "a method's uploads train either by DP-SGD or by the reference noise, not both"
-            ref = host.mechanisms[self.reference[0]]
-            assert isinstance(ref, DPFPLReference)  # self.reference holds only reference releases
-            rounds = host.releases_per_client(cid)
-            self._reference_release = Release(ref.name, ref.honest_multiplier(rounds, host.batch_size), 1.0, 0, round_idx,
-                                              sampling="shuffle", valid=False)
-            self._sgd = BatchClipSGD(std=ref.noise_std(rounds, host.batch_size), clip=dp.clip,
-                                     generator=generator(host.seed, "dp-noise", round_idx, cid))
-        if self.dpsgd:
-            z = host.multiplier(cid, num_train)
-            mech = host.mechanisms[self.dpsgd[0]]
-            assert isinstance(mech, DPSGDMechanism)  # self.dpsgd holds only DP-SGD releases
-            q = mech.sample_rate(num_train, host.batch_size)
-            steps = host.method.dp_steps_per_round(num_train)
-            self._dpsgd_release = Release("dpsgd", z, q, steps, round_idx, sampling=dp.sampling)
-            host.ledger(cid).check(self._dpsgd_release)
-            self._sgd = DPSGD(sigma=z, clip=dp.clip, sample_rate=q, generator=generator(host.seed, "dp-noise", round_idx, cid),
-                              microbatch=dp.microbatch, expected_batch=q * num_train if self.poisson else None)
+        # the uploads a training mechanism privatises (DP-SGD, or a reference code's noise reproduced)
+        self.trained_by = [n for n in names if cast(Mechanism, host.mechanisms[n]).applied == "train"]
+        self._training: Optional[Training] = None
+        if self.trained_by:
+            mechs = {cast(Mechanism, host.mechanisms[n]).name for n in self.trained_by}
+            assert len(mechs) == 1, f"a method's uploads train under one training mechanism, not {sorted(mechs)}"
+            self._training = cast(Mechanism, host.mechanisms[self.trained_by[0]]).train(self)
+        self.poisson = self._training is not None and self._training.poisson
+        self._sgd: Union[DPSGD, BatchClipSGD, NoDP] = self._training.stepper if self._training is not None else NoDP()
 
     @property
     def enabled(self) -> bool:
         """True when DP-SGD (or a reproduced reference noise) noises the tensors passed as `dp_params`."""
-        return isinstance(self._sgd, (DPSGD, BatchClipSGD))
+        return self._training is not None
 
     @property
     def stepper(self) -> Union[DPSGD, BatchClipSGD, NoDP]:
@@ -245,8 +221,8 @@ class RoundPrivacy:
         rounds = max(1, self.host.releases_per_client(self.cid))  # the releases it was calibrated for
         gen = generator(self.host.seed, "dp-release", name, self.round, self.cid)
         # a prototype upload resolves to the mechanism dp.prototypes names (a registered release mechanism)
-        out, extra = cast(PrototypeRelease, mech).apply(features, labels, num_classes, multiplier=z, generator=gen, rounds=rounds,
-                                                        assignments=assignments)
+        out, extra = mech.apply(features, labels, num_classes, multiplier=z, generator=gen, rounds=rounds,  # type: ignore[attr-defined]
+                                assignments=assignments)
         if extra.get("pure_epsilon"):
             self._record(Release(f"{mech.name}_topk", 0.0, 1.0, 1, self.round, epsilon=extra["pure_epsilon"]))
         self._record(Release(mech.name, z, 1.0, 1, self.round))
@@ -256,11 +232,10 @@ class RoundPrivacy:
         mech = self._mechanism(name)
         if mech is None:
             return NoDP().release(name, value)
-        assert isinstance(mech, EmbeddingRelease)  # what `resolve` gives an embedding release
         z = self.host.multiplier(self.cid, self.num_train)
         gen = generator(self.host.seed, "dp-release", name, self.round, self.cid)
         self._record(Release(mech.name, z, 1.0, 1, self.round))
-        return mech.apply(value.detach().float().cpu(), clip=clip, multiplier=z, generator=gen)
+        return mech.apply(value.detach().float().cpu(), clip=clip, multiplier=z, generator=gen)  # type: ignore[attr-defined]
 
     # -- what the host does after local training ---------------------------------------------------
     def close(self, upload: dict[str, Any]) -> dict[str, Tensor]:
@@ -281,11 +256,9 @@ class RoundPrivacy:
         if self.host.dp.enabled:
             self._verify(clean, declared)
             clean = self._update_release(clean)
-        if self.dpsgd:
-            done = replace(self._dpsgd_release, steps=self._sgd.steps)
+        done = self._training.done() if self._training is not None else None
+        if done is not None:
             self.pending.insert(0, done)
-        if self.reference and self._sgd.steps:
-            self.pending.insert(0, replace(self._reference_release, steps=self._sgd.steps))
         if self.pending:
             ledger = self.host.ledger(self.cid)
             for r in self.pending:
@@ -293,45 +266,25 @@ class RoundPrivacy:
         return clean
 
     def _verify(self, clean: dict[str, Tensor], declared: dict[str, Any]) -> None:
+        """Each upload's mechanism checks it was privatised as declared (fail closed)."""
         for k, v in clean.items():
             mech = self.host.mechanisms.get(k)
-            if mech is None or isinstance(mech, (Public, ClientUpdate)):
-                continue
-            if isinstance(mech, (DPSGDMechanism, DPFPLReference)):
-                sgd = self._sgd
-                if not isinstance(sgd, (DPSGD, BatchClipSGD)) or sgd.steps == 0:
-                    if k in self.shared and self.shared[k].shape == v.shape and torch.equal(self.shared[k].detach().cpu(), v):
-                        continue  # untouched broadcast tensor: nothing of the client's data in it
-                    raise UploadViolation(
-                        f"client {self.cid}: {k!r} is declared {declared[k].kind} but no DP-SGD step trained it (fail closed)"
-                    )
-                if any(k not in names for names in sgd.names_each_step) or k not in sgd.trained:
-                    raise UploadViolation(
-                        f"client {self.cid}: {k!r} is declared {declared[k].kind} but was not passed as dp_params={{{k!r}: tensor}} "
-                        "to every privacy.backward step (fail closed)"
-                    )
-                if not torch.equal(sgd.trained[k].detach().cpu(), v):
-                    raise UploadViolation(f"client {self.cid}: the uploaded {k!r} is not the tensor DP-SGD trained (fail closed)")
-            elif k not in self.released or not torch.equal(self.released[k], v):
-                raise UploadViolation(
-                    f"client {self.cid}: {k!r} is a {declared[k].kind} release and must be the tensor "
-                    f"privacy.release({k!r}, ...) returned this round (fail closed)"
-                )
+            if mech is not None:
+                mech.verify(self, k, v, declared[k].kind)
 
     def _update_release(self, clean: dict[str, Tensor]) -> dict[str, Tensor]:
         """dp.level=client: clip the whole update (upload - broadcast) of every update-released tensor to C
         and add Gaussian noise of std 2C sigma (replace-one sensitivity 2C); one release per participation."""
-        names = [k for k in clean if isinstance(self.host.mechanisms.get(k), ClientUpdate)]
+        names = [k for k in clean if (m := self.host.mechanisms.get(k)) is not None and m.applied == "update"]
         if not names:
             return clean
         for k in names:
             if k not in self.shared or self.shared[k].shape != clean[k].shape:
                 raise UploadViolation(f"client {self.cid}: {k!r} is released as an update but is not an update of a broadcast tensor")
-        mech = self.host.mechanisms[names[0]]
-        assert isinstance(mech, ClientUpdate)  # names holds only update releases
+        mech = cast(Mechanism, self.host.mechanisms[names[0]])
         z = self.host.multiplier(self.cid, self.num_train)
         self._record(Release(mech.name, z, 1.0, 1, self.round))
         base = {k: self.shared[k].detach().cpu() for k in names}
-        noisy = mech.apply({k: clean[k] - base[k] for k in names}, multiplier=z,
+        noisy = mech.apply({k: clean[k] - base[k] for k in names}, multiplier=z,  # type: ignore[attr-defined]
                            generator=generator(self.host.seed, "dp-update", self.round, self.cid))
         return {**clean, **{k: base[k] + noisy[k] for k in names}}

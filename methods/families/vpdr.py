@@ -6,17 +6,18 @@ local `transformers` ViT folder, an open_clip visual tower, or a SPEC 3.6 hetero
 bottleneck adapter after every block, a frozen seeded projection to 512 and an MLP head; adapters and head
 train with AdamW (lr 1e-3, wd 5e-4), the optimiser state kept per client in its private state.
 
-The privacy knob `<method>.privacy` (SPEC 3.2-3.3; vpdr.txt Table 1 and the ablation table):
+The privacy setting (SPEC 3.2-3.3; vpdr.txt Table 1 and the ablation table): one knob per choice.
 
-    none   no LDP (dp.epsilon must be inf); plain prototypes
-    igpp   IGPP: per-example L2 clip to R = dp.proto_clip, class mean, isotropic Gaussian (the paper's Eq. 4-6)
-    vpp    VPP only: private top-k partition (dp.vpp.split x epsilon) + group clipping + reallocated noise
-    dcr    DCR only: IGPP releases, DCR local training
-    vpdr   VPP + DCR (the paper's method)
-    auto   (default) none when dp.epsilon is inf, else the mechanism dp.prototypes names, without DCR
+    dp.epsilon     inf: no LDP (plain prototypes); finite: every release is the host's, into the client's ledger
+    dp.prototypes  the release mechanism: igpp (default: per-example L2 clip to R = dp.proto_clip, class mean,
+                   isotropic Gaussian, the paper's Eq. 4-6) | vpp (private top-k partition, dp.vpp.split x
+                   epsilon, + group clipping + reallocated noise); privacy/mechanisms/igpp.py, vpp.py
+    <method>.dcr   DCR local training (false by default; it needs LDP: the soft clip aims at the release's R)
 
-Mapped onto the host: the method's `dp` is the run's with `prototypes` set to igpp or vpp (the engine
-resolves this method's releases with `method.dp`); every release is the host's, into the client's ledger.
+The paper's rows: no LDP = dp.epsilon=inf; IGPP = dp.epsilon=1; VPP only = dp.epsilon=1 dp.prototypes=vpp;
+DCR only = dp.epsilon=1 <method>.dcr=true; VPDR = dp.epsilon=1 dp.prototypes=vpp <method>.dcr=true.
+The previous knob `<method>.privacy=none|igpp|vpp|dcr|vpdr|auto` works in this release (one deprecation
+message per value; `legacy_privacy` maps it onto the method's dp section and DCR, with its old refusals).
 VPP's constants are the run's dp section (dp.vpp.rho = the paper's rho in (0, 0.5], dp.vpp.H, dp.vpp.split,
 dp.proto_clip = R); DCR's are this section's (soft_clip_gamma, expand, ema_beta, kd_tau, kd_weight, warmup).
 
@@ -69,6 +70,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
@@ -93,15 +95,26 @@ from raysim.privacy.dcr import EMATeacher, kd_loss, soft_clip
 from raysim.privacy.mechanisms import ReleaseSpec, prototype, public
 from raysim.sampling import epoch_batches
 
-PRIVACY = ("auto", "none", "igpp", "vpp", "dcr", "vpdr")
+PRIVACY = ("auto", "none", "igpp", "vpp", "dcr", "vpdr")  # the deprecated <method>.privacy values
 WITH_DCR = ("dcr", "vpdr")
+# what each deprecated value is written as now (the deprecation message)
+LEGACY = {
+    "auto": "nothing: drop it (the default: dp.epsilon and dp.prototypes decide, without DCR)",
+    "none": "dp.epsilon=inf (no LDP)",
+    "igpp": "dp.epsilon=EPS (dp.prototypes=igpp is the default)",
+    "vpp": "dp.epsilon=EPS dp.prototypes=vpp",
+    "dcr": "dp.epsilon=EPS <method>.dcr=true",
+    "vpdr": "dp.epsilon=EPS dp.prototypes=vpp <method>.dcr=true",
+}
+_WARNED: set[str] = set()
 
 
 @dataclass
 class VPDROptions:
-    """The knobs every VPDR framework shares (its section is the method's name, e.g. vpdr_fedproto.privacy=vpdr)."""
+    """The knobs every VPDR framework shares (its section is the method's name, e.g. vpdr_fedproto.dcr=true)."""
 
-    privacy: str = "auto"  # none | igpp | vpp | dcr | vpdr | auto (see the module docstring)
+    dcr: bool = False  # DCR local training (soft clip + EMA-teacher KD); with dp.prototypes=vpp: VPDR (module docstring)
+    privacy: str = ""  # deprecated: none | igpp | vpp | dcr | vpdr | auto, mapped onto dp.* and dcr ("" = not used)
     backbone: str = BUNDLED_VIT  # raysim-vit | a local transformers ViT folder | open_clip:NAME[:TAG] | resnet18 | resnet34
     hetero: str = ""  # "" (homogeneous) | HtFE4 | HtC4 | HtFE4-HtC2 (client i gets config i mod 4)
     vit_tiny: str = BUNDLED_VIT  # hetero: the ViT-tiny backbone (a local folder; offline the shipped ViT)
@@ -119,10 +132,21 @@ class VPDROptions:
     kd_weight: float = 0.05  # lambda_1
     warmup: int = 5  # local steps before KD and EMA start (per client lifetime)
 
+    def __post_init__(self) -> None:
+        # built at config time only (the engine's hosts receive it built): one message per deprecated value
+        if self.privacy in LEGACY and self.privacy not in _WARNED:
+            _WARNED.add(self.privacy)
+            warnings.warn(f"<method>.privacy={self.privacy} is deprecated; write {LEGACY[self.privacy]} instead "
+                          "(the old knob works in this release and will be refused in the next)", FutureWarning, stacklevel=3)
+
 
 def validate_vpdr(o: VPDROptions, name: str) -> None:
-    if o.privacy not in PRIVACY:
-        raise ConfigError(f"{name}.privacy must be one of {', '.join(PRIVACY)}, got {o.privacy!r}")
+    if o.privacy and o.privacy not in PRIVACY:
+        raise ConfigError(f"{name}.privacy (deprecated) must be one of {', '.join(PRIVACY)}, got {o.privacy!r}; "
+                          f"better: choose the mechanism by dp.prototypes and DCR by {name}.dcr=true|false")
+    if o.privacy and o.dcr:
+        raise ConfigError(f"{name}.privacy={o.privacy} (deprecated) and {name}.dcr=true both say whether DCR runs; "
+                          f"drop {name}.privacy and write {LEGACY[o.privacy].replace('<method>', name)}")
     if o.hetero and o.hetero not in HETERO:
         raise ConfigError(f"{name}.hetero must be one of {', '.join(HETERO)} or empty (homogeneous), got {o.hetero!r}")
     if not o.backbone.strip():
@@ -137,8 +161,22 @@ def validate_vpdr(o: VPDROptions, name: str) -> None:
         raise ConfigError(f"{name}: DCR needs soft_clip_gamma >= 0, ema_beta in [0, 1), kd_tau > 0, kd_weight >= 0, warmup >= 0")
 
 
-def effective_dp(dp: Any, privacy: str, *, method: str) -> tuple[Any, bool]:
-    """(the dp section the host resolves this method's releases with, whether DCR is on) for `privacy`."""
+def effective_dp(dp: Any, o: VPDROptions, *, method: str) -> tuple[Any, bool]:
+    """(the dp section the host resolves this method's releases with, whether DCR is on): the run's dp and
+    `o.dcr`, or what the deprecated `o.privacy` maps them to."""
+    if o.privacy:
+        return legacy_privacy(dp, o.privacy, method=method)
+    if o.dcr and not dp.enabled:
+        raise ConfigError(
+            f"{method}.dcr=true shapes training toward the clip bound R = dp.proto_clip of a private prototype release, "
+            f"so it needs a budget: set dp.epsilon (the paper uses 1 or 2), or leave {method}.dcr=false"
+        )
+    return dp, bool(o.dcr)
+
+
+def legacy_privacy(dp: Any, privacy: str, *, method: str) -> tuple[Any, bool]:
+    """The deprecated knob `<method>.privacy`, mapped at the edge onto (dp with dp.prototypes set, DCR), with
+    the refusals it always had."""
     if privacy == "auto":  # as the dp section says: no LDP, or dp.prototypes' mechanism; no DCR
         return dp, False
     if privacy == "none":
@@ -198,7 +236,7 @@ class VPDRMethod(Method):
                 f"{self.name} trains adapters and head with AdamW (SPEC 3.1): train.momentum and train.weight_decay do not apply; "
                 f"leave them at their defaults and set {self.name}.lr / {self.name}.weight_decay"
             )
-        dp_eff, self.dcr = effective_dp(self.dp, options.privacy, method=self.name)
+        dp_eff, self.dcr = effective_dp(self.dp, options, method=self.name)
         self.dp: Any = dp_eff
 
     # -- what the method needs -----------------------------------------------------------------

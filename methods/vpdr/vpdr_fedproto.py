@@ -3,7 +3,7 @@
 Client   L = CE(head(feat), y) + lam * MSE(feat, P_g[y]), lam = 0.1; the MSE term applies only when every
          label of the batch has a global prototype (the VPDR code), feat = the soft-clipped feature under DCR.
          Uploads its class means of z (un-clipped, eval mode) through the host's prototype release
-         (none / IGPP / VPP by `vpdr_fedproto.privacy`) and its class counts (public).
+         (none / IGPP / VPP by dp.epsilon and dp.prototypes) and its class counts (public).
 Server   P_g[c] = the class-c means of the clients holding c, weighted by their class-c counts and
          renormalised over those holders (SPEC 3.5 [decide], `proto_weighting=samples`, the code shared with
          the zoo FedProto); `proto_weighting=all_clients` is the VPDR code's rule, weights n_k / n_total over

@@ -205,11 +205,11 @@ class RunView:
             return "NoLDP"
         mechs = {m.name for m in resolve_all(self.method.releases, dp, method=self.method.name).values()
                  if m is not None and m.name != "public"}
-        knob = str(getattr(self.method.opts, "privacy", ""))
-        if knob == "vpdr":
-            return "VPDR"
+        dcr = bool(getattr(self.method, "dcr", False))  # a VPDR framework's DCR (<method>.dcr)
         names = "+".join(sorted(n.upper() for n in mechs)) or "-"
-        return f"{names}+DCR" if knob == "dcr" else names
+        if dcr and names == "VPP":
+            return "VPDR"
+        return f"{names}+DCR" if dcr else names
 
 
 PROTOTYPE_UPLOADS = ("protos", "centres")  # one prototype per class (C, d); labelled centres (K, d) + centre_labels

@@ -307,7 +307,8 @@ def test_audit_of_a_vpdr_run_writes_the_ledger_and_the_attacks(tmp_path, cache_d
         "eval": {"every": 2, "last": 1, "protocol": "vpdr"}, "execution": {"backend": "inline"},
         "output": {"progress": False, "tensorboard": False, "cache_dir": cache_dir, "out_dir": str(tmp_path / method),
                    "record_uploads": True},
-        "dp": {"epsilon": 1.0}, method: {"privacy": privacy, "backbone": tiny_vit},
+        "dp": {"epsilon": 1.0, "prototypes": "vpp" if privacy == "vpdr" else "igpp"},
+        method: {"dcr": privacy == "vpdr", "backbone": tiny_vit},
     })
     out = run(cfg).out_dir
     res = audit_run(out, fsh=FSHConfig(max_steps=3, patience=3, min_steps=1, classes=1), max_per_class=10, progress=False,
@@ -367,7 +368,8 @@ def test_the_audit_study_specs_validate_offline():
         m = make_method(c)
         assert attack_family(m) == "prototype"  # the audit runs FSH and the prototype MIA on it
         want = {"NoLDP": "none", "IGPP": "igpp", "VPP": "vpp", "VPDR": "vpdr"}[label.split("-")[0]]
-        assert m.opts.privacy == want and (math.isinf(c.dp.epsilon) if want == "none" else c.dp.epsilon == float(label[-1]))
+        knobs = {"none": ("igpp", False), "igpp": ("igpp", False), "vpp": ("vpp", False), "vpdr": ("vpp", True)}[want]
+        assert (m.dp.prototypes, m.dcr) == knobs and (math.isinf(c.dp.epsilon) if want == "none" else c.dp.epsilon == float(label[-1]))
 
     spec, _ = spec_from_args([str(ROOT / "benchmarks" / "tables" / "vpdr_attacks_zoo.yaml")])
     runs = plan(spec, Path("/nonexistent/out"))

@@ -114,7 +114,7 @@ def test_table_caption_names_each_rows_privacy_and_the_methods_backbone(tmp_path
         d.mkdir()
         cfg = build_config({"method": "vpdr_fedproto", "data": {"dataset": "digits4", "partition": "domain"},
                             "train": {"num_clients": 4}, "dp": {"epsilon": eps},
-                            "vpdr_fedproto": {"privacy": "none" if math.isinf(eps) else "igpp"}})
+                            "vpdr_fedproto": {"dcr": False}})
         (d / "config.yaml").write_text(cfg.to_yaml())
         recs.append(RunRecord(Entry(label, "vpdr_fedproto"), {}, d, 0.0))
     line = describe(recs, CompareSpec(methods=[r.entry for r in recs], layout="vpdr"))

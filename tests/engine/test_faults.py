@@ -114,7 +114,7 @@ def test_dead_actors_mid_round_of_a_release_first_method_leave_results_unchanged
     opts = dict(method="vpdr_fedproto", data={"dataset": "digits4", "partition": "domain", "shots": 0},
                 train={"num_clients": 4, "rounds": 2, "batch_size": 64, "local_epochs": 1},
                 execution={"backend": "ray", "num_actors": 2, "max_actor_restarts": 4}, eval={"protocol": "vpdr"},
-                dp={"epsilon": 1.0}, vpdr_fedproto={"privacy": "vpdr", "backbone": tiny_vit})
+                dp={"epsilon": 1.0, "prototypes": "vpp"}, vpdr_fedproto={"dcr": True, "backbone": tiny_vit})
     ref, ref_private, none = _rounds(tiny_config(tmp_path / "ref", cache_dir, **opts))
     assert none == 0
 

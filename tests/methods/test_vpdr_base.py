@@ -1,4 +1,4 @@
-"""The VPDR base (methods/families/vpdr.py) and vpdr_fedproto: the privacy knob and its refusals, DCR's
+"""The VPDR base (methods/families/vpdr.py) and vpdr_fedproto: the privacy knobs and their refusals, DCR's
 warm-up and teacher, the recorded epsilon, FedProto's loss and server step on worked examples, and
 end-to-end runs that give the same results inline and through Ray, and after a resume."""
 
@@ -26,7 +26,13 @@ def backbone(tmp_path_factory) -> str:
     return str(path)
 
 
+# the paper's rows as knobs: (dp.prototypes, <method>.dcr); "none" is dp.epsilon=inf, "auto" sets neither
+KNOBS = {"none": ({}, {}), "auto": ({}, {}), "igpp": ({"prototypes": "igpp"}, {}), "vpp": ({"prototypes": "vpp"}, {}),
+         "dcr": ({"prototypes": "igpp"}, {"dcr": True}), "vpdr": ({"prototypes": "vpp"}, {"dcr": True})}
+
+
 def values(tmp_path, cache_dir, privacy, *, backbone, rounds=2, backend="inline", out="run", epsilon=1.0, **section):
+    dp, knob = KNOBS[privacy]
     return {
         "method": "vpdr_fedproto",
         "data": {"dataset": "digits4", "partition": "domain", "shots": 0},
@@ -34,8 +40,8 @@ def values(tmp_path, cache_dir, privacy, *, backbone, rounds=2, backend="inline"
         "eval": {"every": 1, "last": 1, "protocol": "vpdr"},
         "execution": {"backend": backend, "num_actors": 2},
         "output": {"progress": False, "tensorboard": False, "cache_dir": cache_dir, "out_dir": str(tmp_path / out)},
-        "dp": {"epsilon": epsilon if privacy != "none" else math.inf},
-        "vpdr_fedproto": {"privacy": privacy, "backbone": backbone, **section},
+        "dp": {"epsilon": epsilon if privacy != "none" else math.inf, **dp},
+        "vpdr_fedproto": {**knob, "backbone": backbone, **section},
     }
 
 
@@ -63,15 +69,24 @@ def test_privacy_none_is_no_ldp(tmp_path, cache_dir, backbone):
 
 
 @pytest.mark.parametrize("args,says", [
+    (["vpdr_fedproto.dcr=true"], "needs a budget"),  # DCR without LDP (it shapes training toward the release's clip)
+    (["vpdr_fedproto.dcr=true", "dp.epsilon=1", "dp.prototypes=vpp", "dp.vpp.rho=0.6"], r"dp.vpp.rho must be in \(0, 0.5\]"),
+    (["vpdr_fedproto.dcr=true", "dp.epsilon=1", "dp.prototypes=vpp", "dp.vpp.rho=0"], r"dp.vpp.rho must be in \(0, 0.5\]"),
+    (["vpdr_fedproto.dcr=sometimes"], "must be true or false"),
+    (["vpdr_fedproto.dcr=true", "dp.epsilon=1", "dp.prototypes=vpp", "dp.level=client"], "dp.level=sample"),
+    (["dp.epsilon=1", "dp.prototypes=gauss"], "dp.prototypes must be one of igpp, vpp"),
+    (["method=fedavg", "fedavg.dcr=true"], "unknown config key"),  # the knob belongs to the VPDR frameworks
+    (["method=fedavg", "dp.epsilon=1", "dp.prototypes=vpp"], "releases no prototypes"),  # VPP for a non-prototype method
+    # the deprecated knob keeps its refusals for this release
     (["vpdr_fedproto.privacy=vpdr"], "needs a budget"),  # LDP without dp.epsilon
     (["vpdr_fedproto.privacy=none", "dp.epsilon=1"], "without LDP"),
     (["vpdr_fedproto.privacy=igpp", "dp.epsilon=1", "dp.prototypes=vpp"], "dp.prototypes"),
     (["vpdr_fedproto.privacy=vpdr", "dp.epsilon=1", "dp.vpp.rho=0.6"], r"dp.vpp.rho must be in \(0, 0.5\]"),
     (["vpdr_fedproto.privacy=vpdr", "dp.epsilon=1", "dp.vpp.rho=0"], r"dp.vpp.rho must be in \(0, 0.5\]"),
-    (["vpdr_fedproto.privacy=sometimes"], "privacy must be one of"),
+    (["vpdr_fedproto.privacy=sometimes"], "privacy .deprecated. must be one of"),
     (["vpdr_fedproto.privacy=vpdr", "dp.epsilon=1", "dp.level=client"], "dp.level=sample"),
-    (["method=fedavg", "fedavg.privacy=vpdr"], "unknown config key"),  # the knob belongs to the VPDR frameworks
-    (["method=fedavg", "dp.epsilon=1", "dp.prototypes=vpp"], "releases no prototypes"),  # VPP for a non-prototype method
+    (["vpdr_fedproto.privacy=vpdr", "vpdr_fedproto.dcr=true", "dp.epsilon=1"], "both say whether DCR runs"),
+    (["method=fedavg", "fedavg.privacy=vpdr"], "unknown config key"),
 ])
 def test_refusals_exit_2_and_write_nothing(tmp_path, capsys, args, says):
     from raysim.run import main
@@ -87,8 +102,33 @@ def test_refusals_exit_2_and_write_nothing(tmp_path, capsys, args, says):
 
 
 def test_config_time_refusal_is_a_config_error(tmp_path, cache_dir, backbone):
-    with pytest.raises(ConfigError, match="vpdr_fedproto.privacy=vpp is a local-DP release"):
-        build_config(values(tmp_path, cache_dir, "vpp", backbone=backbone, epsilon=math.inf) | {"dp": {}})
+    with pytest.raises(ConfigError, match="vpdr_fedproto.dcr=true shapes training .* needs a budget"):
+        build_config(values(tmp_path, cache_dir, "dcr", backbone=backbone, epsilon=math.inf) | {"dp": {}})
+
+
+@pytest.mark.parametrize("privacy,mech,dcr", [("igpp", "igpp", False), ("vpp", "vpp", False), ("dcr", "igpp", True),
+                                              ("vpdr", "vpp", True), ("auto", "igpp", False)])
+def test_the_deprecated_privacy_knob_maps_onto_the_new_ones_with_one_message(tmp_path, cache_dir, backbone, monkeypatch,
+                                                                             privacy, mech, dcr):
+    from raysim.engine.hosts import make_method
+    from raysim.methods.families import vpdr
+
+    monkeypatch.setattr(vpdr, "_WARNED", set())
+    v = values(tmp_path, cache_dir, "auto", backbone=backbone)
+    v["vpdr_fedproto"]["privacy"] = privacy
+    with pytest.warns(FutureWarning, match=f"privacy={privacy} is deprecated; write "):
+        cfg = build_config(v)
+    m = make_method(cfg)
+    assert m.dp.prototypes == mech and m.dcr is dcr  # what the new knobs give (test above)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_config(v)  # one message per value
+    v = values(tmp_path, cache_dir, "auto", backbone=backbone) | {"dp": {}}
+    v["vpdr_fedproto"]["privacy"] = "vpp"
+    with pytest.raises(ConfigError, match="vpdr_fedproto.privacy=vpp is a local-DP release"):  # its old refusals hold
+        build_config(v)
 
 
 # ------------------------------------------------------------------------------------------ worked examples
