@@ -16,9 +16,10 @@ import logging
 from typing import Any, Optional, Protocol
 
 from raysim.config import RunConfig
+from raysim.engine.client_round import ClientReport, check_round, merge_phases
 from raysim.engine.cluster import init_ray, plan_hosts
 from raysim.engine.evaluation import merge_hits
-from raysim.engine.hosts import ClientHost, ClientReport, FederationData, ServerHost, check_round, make_method, merge_phases
+from raysim.engine.hosts import ClientHost, FederationData, ServerHost, make_method
 from raysim.methods import get_method
 
 log = logging.getLogger(__name__)
