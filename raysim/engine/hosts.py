@@ -169,8 +169,8 @@ class ClientHost:
         (raises, returns a non-finite upload, or takes longer than cfg.execution.client_timeout) sends nothing and
         gets a report with `dropped=True` and the error; its private state and privacy ledger stay as
         before the round (nothing left it, so nothing is charged). The driver applies the policy
-        (raysim/engine/client_round.py `check_round`). Under on_client_error=fail the host stops at its first failed client: the run
-        stops anyway. Privacy errors (UploadViolation, PrivacyBudgetExceeded) and other RaysimErrors
+        (raysim/engine/client_round.py `check_round`). Under on_client_error=fail the host stops at its
+        first failed client: the run stops anyway. Privacy errors (UploadViolation, PrivacyBudgetExceeded) and other RaysimErrors
         always propagate: they are not client faults but the privacy checks doing their job.
         For a `release_first` method this is the round's second half, after the server aggregated the
         clients' `release`: local_train must upload nothing, and a failed client keeps its state and ledger
