@@ -17,9 +17,10 @@ from typing import Any, Optional, Protocol
 
 from raysim.config import RunConfig
 from raysim.config.checks import make_method
+from raysim.engine.client_round import ClientReport, check_round, merge_phases
 from raysim.engine.cluster import init_ray, plan_hosts
 from raysim.engine.evaluation import merge_hits
-from raysim.engine.hosts import ClientHost, ClientReport, FederationData, ServerHost, check_round, merge_phases
+from raysim.engine.hosts import ClientHost, FederationData, ServerHost
 from raysim.methods import get_method
 
 log = logging.getLogger(__name__)

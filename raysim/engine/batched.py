@@ -19,25 +19,29 @@ for any num_actors, tested) a client's result does not depend on which clients s
 trains client by client, when the round cannot be stacked (a client_timeout, a step kind it does not
 batch) or when anything in the stack raised: a failing client cannot be told apart from the others
 inside one forward, so the whole round is replayed client by client from the same state (nothing was
-charged or stored), which applies on_client_error exactly as always.
+charged or stored), which applies on_client_error exactly as always. Otherwise each client's result is
+judged (a non-finite upload is a failure) and settled under the run's policy by raysim/engine/client_round.py,
+the module the client-by-client path uses; this one touches the host only through its public interface
+(`private_state`, `client_data`, `open_privacy`, ..., `client_round.RoundHost`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from raysim.engine.client_round import ClientRound, judge
 from raysim.methods.families.prompt import ClientJob
 from raysim.privacy.dpsgd import DPSGD, NoDP, per_sample_grads
 from raysim.sampling import generator
 
 if TYPE_CHECKING:
-    from raysim.engine.hosts import ClientHost, ClientReport
+    from raysim.engine.client_round import ClientReport
+    from raysim.engine.hosts import ClientHost
     from raysim.methods.base import Upload
     from raysim.privacy.host import RoundPrivacy
 
@@ -117,44 +121,36 @@ def batchable(host: "ClientHost") -> bool:
     """execution.batch_clients is on, the method stacks clients, and no per-client wall clock is asked for
     (client_timeout times each client's own local_train, which a stack does not have)."""
     x, m = host.cfg.execution, host.method
-    return (bool(x.batch_clients) and x.client_timeout <= 0 and not getattr(m, "release_first", False)
+    return (bool(x.batch_clients) and host.policy.timeout <= 0 and not getattr(m, "release_first", False)
             and bool(getattr(m, "supports_batching", lambda: False)()))
-
-
-def upload_error(upload: dict[str, Any]) -> str:
-    """What ClientHost._local_train says of a non-finite upload ("" when all are finite)."""
-    for k, v in upload.items():
-        if isinstance(v, Tensor) and (v.is_floating_point() or v.is_complex()) and not bool(torch.isfinite(v).all()):
-            return f"upload {k!r} is not finite ({int((~torch.isfinite(v)).sum())} of {v.numel()} values are nan or inf)"
-    return ""
 
 
 def train_stack(host: "ClientHost", round_idx: int, client_ids: Sequence[int],
                 shared: dict[str, Tensor]) -> Optional[tuple[list["Upload"], list["ClientReport"]]]:
     """`ClientHost.train` for a stack of clients (in id order, at most execution.stack_size per stack), with
-    the same uploads, reports, private state and ledgers; None when the round is to go client by client."""
-    from raysim.engine.hosts import ClientReport
-    from raysim.methods.base import Upload
-
+    the same uploads, reports, private state and ledgers; None when the round is to go client by client.
+    Each client's result is judged and settled by raysim/engine/client_round.py, as client by client."""
     cids = sorted(client_ids)
     if not cids or not batchable(host):  # a stack of one too: a client's result must not depend on its host's others
         return None
-    snaps = {cid: host.privacy.snapshot(cid) for cid in cids}
+    clients = ClientRound(host, round_idx, shared, phase="train", policy=host.policy)
+    saved = {cid: clients.save(cid, private=False) for cid in cids}  # a stack leaves the private states untouched
 
     def back_out(why: str) -> None:
         for cid in cids:
-            host.privacy.restore(cid, snaps[cid])
+            clients.put_back(saved[cid])
         log.info("round %d: %s; training its %d clients one by one", round_idx, why, len(cids))
 
     handles: list["RoundPrivacy"] = []
     results = []
     try:
         for cid in cids:
-            handles.append(host.privacy.open(cid, round_idx, host.data[cid].num_train, shared))
+            handles.append(host.open_privacy(cid, round_idx, shared))
         if not StackPrivacy.supports(handles):
             back_out("this round's privacy steps are not stackable")
             return None
-        jobs = [ClientJob(host._private(cid), host.data[cid], generator(host.cfg.train.seed, "train", round_idx, cid)) for cid in cids]
+        jobs = [ClientJob(host.private_state(cid), host.client_data(cid), generator(host.cfg.train.seed, "train", round_idx, cid))
+                for cid in cids]
         size = max(1, int(host.cfg.execution.stack_size))
         train = getattr(host.method, "batched_local_train")  # noqa: B009 - what supports_batching() promised
         for i in range(0, len(jobs), size):
@@ -163,23 +159,9 @@ def train_stack(host: "ClientHost", round_idx: int, client_ids: Sequence[int],
         log.debug("round %d: the client stack raised", round_idx, exc_info=True)
         back_out(f"a client in the stack raised ({type(e).__name__}: {e})")
         return None
-    drop = host.cfg.execution.on_client_error == "drop"
-    uploads, reports = [], []
     for n, (cid, privacy, result) in enumerate(zip(cids, handles, results)):
-        error = upload_error(result.upload)
-        if error:  # as ClientHost.train: nothing of this round is kept for the client
-            if drop:
-                host.privacy.restore(cid, snaps[cid])
-            reports.append(ClientReport(cid, math.nan, 0, host.epsilon(cid), {}, dropped=True, error=error))
-            if not drop:
-                for later in cids[n + 1:]:  # client by client they would not have been opened
-                    host.privacy.restore(later, snaps[later])
-                break
-            continue
-        tensors = privacy.close(result.upload)  # checked against the declared releases, privatised, accounted
-        host.private[cid] = result.private
-        host.dirty.add(cid)
-        up = Upload(cid, tensors, int(result.num_samples))
-        uploads.append(up)
-        reports.append(ClientReport(cid, float(result.metrics.get("loss", math.nan)), up.nbytes(), host.epsilon(cid), dict(result.metrics)))
-    return uploads, reports
+        if not clients.settle(judge(cid, result, clients.policy), privacy, saved[cid]):
+            for later in cids[n + 1:]:  # under fail client by client they would not have been opened
+                clients.put_back(saved[later])
+            break
+    return clients.result()

@@ -6,48 +6,31 @@ the inline backend calls them directly, so both backends run exactly the same co
 A ClientHost holds the method's frozen parts once, and per client: the data slice and the private state;
 its `HostPrivacy` (privacy/host.py) holds each client's calibrated noise and ledger and checks every upload
 against the method's declared releases. Private state leaves the host only into the client's own
-checkpoint; metrics go to the driver, never to the server. A round is one `train` call per host, or for a
+checkpoint; metrics go to the driver, never to the server. What a client's failure does (on_client_error,
+client_timeout, min_clients) is raysim/engine/client_round.py. A round is one `train` call per host, or for a
 method that releases first (`Method.release_first`, SPEC 3.4) a `release` call, the server's
 aggregation, then a `train` call whose uploads are empty (raysim/engine/backends.py).
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import logging
-import math
-import time
-import traceback
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from raysim.config import RunConfig, keeps_all_client_states
 from raysim.config.checks import make_method
 from raysim.data.federation import ClientSlices, FederationData
-from raysim.errors import ClientFailure, RaysimError, UploadViolation
+from raysim.engine.client_round import ClientPolicy, ClientReport, ClientRound, Phase
+from raysim.errors import RaysimError, UploadViolation
 from raysim.methods import ClientData, EnvSpec, Method, Upload
 from raysim.methods.base import ServerResult
 from raysim.sampling import generator, schedule
 from raysim.storage.store import StateStore
 
-log = logging.getLogger(__name__)
-
-
-@dataclass
-class ClientReport:
-    """What the driver learns of a client's round (never its private state)."""
-
-    client_id: int
-    loss: float
-    bytes_up: int
-    epsilon: float
-    metrics: dict[str, float] = field(default_factory=dict)
-    dropped: bool = False  # its local training failed (raised, non-finite upload, past client_timeout): no upload
-    error: str = ""  # what went wrong, when dropped
+if TYPE_CHECKING:
+    from raysim.privacy.host import RoundPrivacy
 
 
 def env_spec(cfg: RunConfig, classnames: list[str]) -> EnvSpec:
@@ -131,11 +114,44 @@ class ClientHost:
                     counts[cid] += 1
         return counts
 
-    # -- private state ----------------------------------------------------------------------
-    def _private(self, cid: int) -> dict[str, Any]:
+    # -- a client's state, for its round (the RoundHost interface of raysim/engine/client_round.py) ------------
+    def client_data(self, cid: int) -> ClientData:
+        """The client's data slice."""
+        return self.data[cid]
+
+    def private_state(self, cid: int) -> dict[str, Any]:
+        """The client's private state (its initial one, from its own seeded stream, before its first participation)."""
         if cid not in self.private:
             self.private[cid] = initial_private(self.method, self.env, self.data[cid], self.cfg.train.seed)
         return self.private[cid]
+
+    _private = private_state  # the name tests and older callers use
+
+    def update_private(self, cid: int, state: dict[str, Any]) -> None:
+        """The client's new private state after its round: kept, and checkpointed at the next `commit`."""
+        self.private[cid] = state
+        self.dirty.add(cid)
+
+    def restore_private(self, cid: int, state: dict[str, Any]) -> None:
+        """Put back the private state the client had before a round it failed (nothing new to checkpoint)."""
+        self.private[cid] = state
+
+    def open_privacy(self, cid: int, round_idx: int, shared: dict[str, torch.Tensor]) -> RoundPrivacy:
+        """The client's privacy handle for round `round_idx` (privacy/host.py RoundPrivacy)."""
+        return self.privacy.open(cid, round_idx, self.data[cid].num_train, shared)
+
+    def privacy_snapshot(self, cid: int) -> Any:
+        """A copy of the client's privacy state (calibration, ledger, one-shot releases), for `restore_privacy`."""
+        return self.privacy.snapshot(cid)
+
+    def restore_privacy(self, cid: int, snapshot: Any) -> None:
+        """Put back a `privacy_snapshot` (the client's round was abandoned before anything left it)."""
+        self.privacy.restore(cid, snapshot)
+
+    @property
+    def policy(self) -> ClientPolicy:
+        """What a failing client does to the run (execution.on_client_error, client_timeout, min_clients)."""
+        return ClientPolicy.of(self.cfg.execution)
 
     def _rounds_for_calibration(self, cid: int) -> int:
         return self.participation[cid] if self.cfg.dp.calibration == "participated" else self.cfg.train.rounds
@@ -149,8 +165,8 @@ class ClientHost:
         (raises, returns a non-finite upload, or takes longer than cfg.execution.client_timeout) sends nothing and
         gets a report with `dropped=True` and the error; its private state and privacy ledger stay as
         before the round (nothing left it, so nothing is charged). The driver applies the policy
-        (`check_round`). Under on_client_error=fail the host stops at its first failed client: the run
-        stops anyway. Privacy errors (UploadViolation, PrivacyBudgetExceeded) and other RaysimErrors
+        (raysim/engine/client_round.py `check_round`). Under on_client_error=fail the host stops at its
+        first failed client: the run stops anyway. Privacy errors (UploadViolation, PrivacyBudgetExceeded) and other RaysimErrors
         always propagate: they are not client faults but the privacy checks doing their job.
         For a `release_first` method this is the round's second half, after the server aggregated the
         clients' `release`: local_train must upload nothing, and a failed client keeps its state and ledger
@@ -175,69 +191,17 @@ class ClientHost:
         return self._each_client(round_idx, client_ids, shared, phase="release")
 
     def _each_client(self, round_idx: int, client_ids: list[int], shared: dict[str, torch.Tensor], *,
-                     phase: str) -> tuple[list[Upload], list[ClientReport]]:
-        """One phase ("train" or "release") for each of `client_ids` in id order, client by client: open
-        the client's privacy handle, run the method, check, privatise and account the upload, keep the new
-        private state; a failed client gets a dropped report (and under drop its state and ledger back)."""
-        uploads, reports = [], []
-        drop = self.cfg.execution.on_client_error == "drop"
-        for cid in sorted(client_ids):
-            # under drop, what the round may change is kept to be put back if the client fails
-            saved = (copy.deepcopy(self._private(cid)), self.privacy.snapshot(cid)) if drop else None
-            privacy = self.privacy.open(cid, round_idx, self.data[cid].num_train, shared)
-            error, result = self._local_train(round_idx, cid, shared, privacy, phase=phase)
-            if error:
-                if saved is not None:
-                    self.private[cid] = saved[0]
-                    self.privacy.restore(cid, saved[1])
-                reports.append(ClientReport(cid, math.nan, 0, self.epsilon(cid), {}, dropped=True, error=error))
-                if not drop:
-                    break
-                continue
-            tensors = privacy.close(result.upload)  # checked against the declared releases, privatised, accounted
-            if phase == "train" and self.method.release_first and tensors:
-                raise UploadViolation(f"client {cid}: {self.method.name} releases first, so its local_train must upload nothing "
-                                      f"(it returned {sorted(tensors)}); the round's upload is what local_release returns")
-            self.private[cid] = result.private
-            self.dirty.add(cid)
-            up = Upload(cid, tensors, int(result.num_samples))
-            uploads.append(up)
-            loss = float(result.metrics.get("loss", math.nan)) if phase == "train" else math.nan  # a release trains nothing
-            reports.append(ClientReport(cid, loss, up.nbytes(), self.epsilon(cid), dict(result.metrics)))
-        return uploads, reports
-
-    def _local_train(self, round_idx: int, cid: int, shared: dict[str, torch.Tensor], privacy: Any, *,
-                     phase: str = "train") -> tuple[str, Any]:
-        """The method's local_train (or, phase="release", local_release) for one client: ("", result), or
-        (what went wrong, None) when it raised, returned a non-finite upload (checked before the host's
-        privacy check records anything), or took longer than cfg.execution.client_timeout wall-clock seconds
-        (measured around the call, so enforced after it returns; its work is discarded). Each phase draws
-        from its own stream, generator(seed, phase, round, client)."""
+                     phase: Phase) -> tuple[list[Upload], list[ClientReport]]:
+        """One phase ("train" or "release") for each of `client_ids` in id order, client by client, under the
+        run's client policy (raysim/engine/client_round.py). Each phase draws from its own stream,
+        generator(seed, phase, round, client)."""
         step = self.method.local_release if phase == "release" else self.method.local_train
-        t0 = time.perf_counter()
-        try:
-            result = step(
-                self.env,
-                shared,
-                self._private(cid),
-                self.data[cid],
-                rng=generator(self.cfg.train.seed, phase, round_idx, cid),
-                privacy=privacy,
-            )
-        except RaysimError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any fault of the client's training is the policy's business
-            log.debug("round %d: client %d raised", round_idx, cid, exc_info=True)  # the whole traceback, for debugging
-            frame = traceback.extract_tb(e.__traceback__)[-1]
-            return f"{type(e).__name__}: {e} (at {frame.filename}:{frame.lineno} in {frame.name})", None
-        seconds = time.perf_counter() - t0
-        for k, v in result.upload.items():
-            if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) and not bool(torch.isfinite(v).all()):
-                return f"upload {k!r} is not finite ({int((~torch.isfinite(v)).sum())} of {v.numel()} values are nan or inf)", None
-        if self.cfg.execution.client_timeout > 0 and seconds > self.cfg.execution.client_timeout:
-            what = "local release" if phase == "release" else "local training"
-            return f"{what} took {seconds:.2f} s, more than client_timeout={self.cfg.execution.client_timeout:g} s", None
-        return "", result
+
+        def one(cid: int, privacy: Any) -> Any:
+            return step(self.env, shared, self.private_state(cid), self.data[cid],
+                        rng=generator(self.cfg.train.seed, phase, round_idx, cid), privacy=privacy)
+
+        return ClientRound(self, round_idx, shared, phase=phase, policy=self.policy).run(client_ids, one)
 
     @torch.no_grad()
     def evaluate(self, shared: dict[str, torch.Tensor], client_ids: Optional[list[int]] = None,
@@ -248,7 +212,7 @@ class ClientHost:
         shared = {k: v.to(self.device) for k, v in shared.items()}
         out = []
         for cid in sorted(client_ids if client_ids is not None else self.clients):
-            predict = self.method.predictor(self.env, shared, self._private(cid), self.data[cid])
+            predict = self.method.predictor(self.env, shared, self.private_state(cid), self.data[cid])
             out.append({"client": cid, **self.protocol.score(cid, predict, among), "epsilon": self.epsilon(cid)})
         return out
 
@@ -261,7 +225,7 @@ class ClientHost:
 
         shared = {k: v.to(self.device) for k, v in shared.items()}
         c0 = self.clients[0]  # any client: the declaration says its state and data do not enter the predictor
-        predict = self.method.predictor(self.env, shared, self._private(c0), self.data[c0])
+        predict = self.method.predictor(self.env, shared, self.private_state(c0), self.data[c0])
         rows = block_part(self.protocol.rows(among), part, parts, self.protocol.batch_size)
         return self.protocol.hits(predict, rows)
 
@@ -279,47 +243,6 @@ class ClientHost:
 
     def device_info(self) -> dict[str, Any]:
         return {"device": str(self.device), "clients": self.clients, "cuda": torch.cuda.is_available()}
-
-
-def check_round(cfg: RunConfig, round_idx: int, reports: list[ClientReport]) -> None:
-    """The driver's side of on_client_error, before the round is aggregated: under `fail` the failed
-    client with the lowest id stops the run; under `drop` the run stops when fewer than cfg.execution.min_clients
-    of the round's participants are left. Raises ClientFailure."""
-    failed = sorted((r for r in reports if r.dropped), key=lambda r: r.client_id)
-    if not failed:
-        return
-    resume = f"continue with output.resume={cfg.output.out_dir}" if cfg.output.out_dir else "continue with output.resume=OUT_DIR"
-    if cfg.execution.on_client_error != "drop":
-        f = failed[0]
-        raise ClientFailure(
-            f"client {f.client_id} failed in round {round_idx}: {f.error}. on_client_error=fail stops the run; "
-            f"fix the client or set on_client_error=drop to leave failing clients out of their round ({resume})",
-            client_id=f.client_id, round_idx=round_idx, error=f.error,
-        )
-    left = len(reports) - len(failed)
-    if left < cfg.execution.min_clients:
-        which = "; ".join(f"client {r.client_id}: {r.error}" for r in failed)
-        raise ClientFailure(
-            f"round {round_idx}: {len(failed)} of {len(reports)} clients failed and were dropped, leaving {left}, "
-            f"fewer than min_clients={cfg.execution.min_clients} ({which}); {resume} after fixing them, or lower min_clients",
-            client_id=failed[0].client_id, round_idx=round_idx, error=failed[0].error,
-        )
-
-
-def merge_phases(released: list[ClientReport], trained: list[ClientReport]) -> list[ClientReport]:
-    """One report per participant of a `release_first` round, in client order: a client whose release
-    failed keeps that report (it did not train); the others get their training report (loss, metrics,
-    epsilon after the round; dropped when training failed) with the release's bytes_up (what it sent)
-    and any metrics the release reported."""
-    by_id = {r.client_id: r for r in trained}
-    out = []
-    for r in sorted(released, key=lambda r: r.client_id):
-        t = by_id.get(r.client_id)
-        if r.dropped or t is None:
-            out.append(r)
-        else:
-            out.append(dataclasses.replace(t, bytes_up=r.bytes_up, metrics={**r.metrics, **t.metrics}))
-    return out
 
 
 def server_classnames(method: Method, classnames: list[str]) -> list[str]:
