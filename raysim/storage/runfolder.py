@@ -38,11 +38,12 @@ class RunFolder:
     out_dir); `RunFolder.open(path)` opens a finished or interrupted run and refuses a folder that is not
     one (ConfigError: the commands exit with status 2)."""
 
-    def __init__(self, path: str | Path, cfg: Any = None) -> None:
+    def __init__(self, path: str | Path, cfg: Any = None, *, data: Any = None) -> None:
+        """`cfg`, `data`: the run's config and federation where the caller has them already."""
         self.path = Path(path).expanduser()
         self._cfg = cfg
         self._method: Any = None
-        self._data: Any = None
+        self._data: Any = data
         self._env: Any = None
         self._rounds_of: Optional[dict[int, list[int]]] = None
 
@@ -56,6 +57,9 @@ class RunFolder:
 
     def __repr__(self) -> str:
         return f"RunFolder({str(self.path)!r})"
+
+    def __str__(self) -> str:
+        return str(self.path)
 
     @property
     def run_dir(self) -> Path:  # the name the audit and the attacks have always used

@@ -218,8 +218,8 @@ def test_the_audit_attacks_each_release_with_the_model_that_made_it(tmp_path, ca
     client entered round r with (round 0: its initial model), not its checkpoint after round r's training:
     with privacy=none the recorded release is exactly that model's class means."""
     from raysim.engine.loop import run
+    from raysim.storage.runfolder import RunFolder as RunView
     from raysim.storage.store import StateStore
-    from raysim.tools.audit import RunView
 
     v = values(tmp_path, cache_dir, "none", backbone=backbone, rounds=2)
     v["output"]["record_uploads"] = True
