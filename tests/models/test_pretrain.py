@@ -13,7 +13,7 @@ import open_clip  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from raysim import pretrain as pt  # noqa: E402
+from raysim.tools import pretrain as pt  # noqa: E402
 from raysim.data import synthetic as syn  # noqa: E402
 from raysim.models import bundled  # noqa: E402
 
