@@ -13,9 +13,9 @@ import open_clip  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from raysim.tools import pretrain as pt  # noqa: E402
 from raysim.data import synthetic as syn  # noqa: E402
 from raysim.models import bundled  # noqa: E402
+from raysim.tools import pretrain as pt  # noqa: E402
 
 BENCH = syn.SyntheticParams(classes=("circle", "seven", "letter A"), train_per_cell=2, test_per_cell=3, seed=5)
 TINY_VIT = dict(embed_dim=32, vision_width=32, vision_layers=1, patch_size=8, text_width=32, text_layers=1)
