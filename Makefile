@@ -20,26 +20,21 @@ setup: $(BIN)/.installed
 run: setup
 	$(BIN)/python raysim/run.py $(ARGS)
 
-# mypy sees methods/ and privacy/ where they are installed (raysim.methods, raysim.privacy) through a link tree
-TYPECHECK := build/typecheck
-
-# import-linter (contracts in pyproject.toml) reads the installed graph the same way: a link tree where methods/,
-# privacy/ and attacks/ sit at raysim.methods, raysim.privacy, raysim.attacks (run from the repository root it would
-# see raysim/ alone); imports inside functions count
-IMPORTGRAPH := build/importgraph
+# import-linter (contracts in pyproject.toml) and mypy read the installed layout: a link tree where methods/,
+# privacy/ and attacks/ sit at raysim.methods, raysim.privacy, raysim.attacks (run from the repository root they
+# would see raysim/ alone); imports inside functions count
+LINKTREE := build/linktree
 
 lint: setup
-	$(BIN)/ruff check raysim methods privacy attacks benchmarks tests
-	rm -rf $(IMPORTGRAPH) && mkdir -p $(IMPORTGRAPH)/raysim
-	for e in raysim/*; do ln -s "$(CURDIR)/$$e" $(IMPORTGRAPH)/raysim/; done
-	for p in methods privacy attacks; do ln -s "$(CURDIR)/$$p" $(IMPORTGRAPH)/raysim/$$p; done
-	cd $(IMPORTGRAPH) && $(CURDIR)/$(BIN)/lint-imports --no-cache $(CURDIR)/pyproject.toml
-	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/raysim
-	for e in raysim/*; do ln -s "$(CURDIR)/$$e" $(TYPECHECK)/raysim/; done
-	ln -s "$(CURDIR)/methods" $(TYPECHECK)/raysim/methods && ln -s "$(CURDIR)/privacy" $(TYPECHECK)/raysim/privacy
-	cd $(TYPECHECK) && $(CURDIR)/$(BIN)/mypy -p raysim --ignore-missing-imports --follow-imports=silent
+	$(BIN)/ruff check raysim methods privacy attacks benchmarks tests docs
+	rm -rf $(LINKTREE) && mkdir -p $(LINKTREE)/raysim
+	for e in raysim/*; do ln -s "$(CURDIR)/$$e" $(LINKTREE)/raysim/; done
+	for p in methods privacy attacks; do ln -s "$(CURDIR)/$$p" $(LINKTREE)/raysim/$$p; done
+	cd $(LINKTREE) && $(CURDIR)/$(BIN)/lint-imports --no-cache $(CURDIR)/pyproject.toml
+	cd $(LINKTREE) && $(CURDIR)/$(BIN)/mypy -p raysim --ignore-missing-imports --follow-imports=silent --check-untyped-defs
 
-test: setup lint
+# lint (ruff, import contracts, mypy), the docs site, then the test suite: what CI runs
+test: setup lint docs
 	$(BIN)/python -m pytest tests
 
 # the documentation site (docs/, mkdocs.yml); the reference pages are generated from the code

@@ -17,23 +17,24 @@ Metrics of one attack (class c), as the paper's table (SPEC 3.7 [decide]):
              features (higher: the reconstructions look less like the class)
   Top-1 Hit  % of the dummies the client's own classifier labels c
 
-In a run (raysim.tools.audit) the model is the one behind the release: most prototype methods release after
+In a run (`raysim audit`) the model is the one behind the release: most prototype methods release after
 their local training, so the client's state saved at the end of round r is the extractor behind its
 round-r release; the VPDR frameworks release first (SPEC 3.4), so theirs is the state the client entered
-round r with (`RunView.releasing_state`). Pure functions of tensors, a model and a seeded generator here.
+round r with (`RunFolder.releasing_state`). Pure functions of tensors, a model and a seeded generator here.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from raysim.attacks.base import Release, ReleaseAttack, clients_then_rounds, register_attack
 from raysim.attacks.gradient_inversion import pixel_range, total_variation
 
 Extractor = Callable[[Tensor], Tensor]  # images (B, 3, S, S), normalised -> pooled features (B, d)
@@ -187,3 +188,41 @@ def attack_client(extractor: Extractor, classify: Callable[[Tensor], Tensor], re
         m.start_cos_sim, m.start_top1_hit = ref.cos_sim, ref.top1_hit
         out[c] = m
     return out
+
+
+# -- in the audit: each recorded prototype release, hijacked with the model behind it ---------------------------
+
+FSH_COLUMNS = ("Cos Sim", "cFFD", "Top-1 Hit (%)")
+FSH_REFERENCE = ("start Cos Sim", "start Top-1 Hit (%)")  # the random starting dummies (no leak)
+
+
+@register_attack
+class FeatureSpaceHijacking(ReleaseAttack):
+    """FSH of every attacked client's release (options: an FSHConfig; SPEC 3.7 by default): Cos Sim, cFFD,
+    Top-1 Hit and their no-leak reference (one row per round, client and class)."""
+
+    name = "fsh"
+    order = 20  # after the prototype MIA on each release
+    summary_order = 5  # its columns first in audit_summary.csv (vpdr.txt's table order)
+
+    def score(self, release: Release, *, seed: int, options: Any) -> tuple[list[dict[str, Any]], str, list[str]]:
+        cfg = FSHConfig() if options is None else options
+        r, cid, cdata, device = release.round, release.client, release.data, release.device
+        with torch.enable_grad():
+            per_class = attack_client(
+                _on(release.extract, device), _on(release.classify, device), release.released.to(device), release.counts,
+                release.train_features, cdata.y_train, shape=tuple(cdata.x_train.shape[1:]), cfg=cfg,
+                seed=seed * 1_000_003 + r * 1009 + cid)
+        rows = [{"round": r, "client": cid, "class": c, **m.as_dict()} for c, m in per_class.items()]
+        note = ""
+        if per_class:
+            note = (f"; FSH {len(per_class)} classes: Cos Sim {np.mean([m.cos_sim for m in per_class.values()]):.3f}, "
+                    f"Top-1 Hit {np.mean([m.top1_hit for m in per_class.values()]):.0f}%")
+        return rows, note, []
+
+    def summarize(self, rows: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
+        return clients_then_rounds(rows, FSH_COLUMNS + FSH_REFERENCE)
+
+
+def _on(fn: Callable, device: Any) -> Callable[[Tensor], Tensor]:
+    return lambda x: fn(x.to(device)).float()

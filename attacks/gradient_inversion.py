@@ -35,13 +35,14 @@ import hashlib
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from raysim.attacks.base import Attack, AttackOutput, Progress, clients_then_rounds, declares, register_attack
 from raysim.data.base import CLIP_MEAN, CLIP_STD
 
 SharedGrad = Callable[[Tensor, Tensor], Tensor]  # (normalised images (B, 3, S, S), labels (B,)) -> d loss / d shared
@@ -65,7 +66,8 @@ def to_pixels(images: Tensor, mean: Sequence[float] = CLIP_MEAN, std: Sequence[f
 
 def image_features(clip: torch.nn.Module, images: Tensor) -> Tensor:
     """L2-normalised CLIP image features, differentiable w.r.t. the images (the tower stays frozen)."""
-    return F.normalize(clip.encode_image(images).float(), dim=-1)
+    encode = cast(Callable[[Tensor], Tensor], clip.encode_image)  # an open_clip model's method (nn.Module hides it from mypy)
+    return F.normalize(encode(images).float(), dim=-1)
 
 
 def total_variation(x: Tensor) -> Tensor:
@@ -99,7 +101,7 @@ def _prompt_parts(method: Any, env: Any, private: dict[str, Any]) -> Any:
 def jacobian(f: Callable[[Tensor], Tensor], x: Tensor, *, chunk: int = 32) -> Tensor:
     """d f / d x at x as a (f(x).numel(), x.numel()) matrix, `chunk` directions at a time: forward mode
     over the input's directions or reverse mode over the output's, whichever are fewer."""
-    y, vjp = torch.func.vjp(f, x)
+    y, vjp = torch.func.vjp(f, x)[:2]  # (output, vjp function); the stubs also admit a third item (aux)
     if y.numel() < x.numel():
         eye = torch.eye(y.numel(), dtype=y.dtype, device=y.device).view(-1, *y.shape)
         rows = [torch.func.vmap(vjp)(e)[0].reshape(len(e), -1) for e in eye.split(chunk)]
@@ -327,3 +329,146 @@ def multi_client_gia(
     knobs = dict(clip=clip, env=env, image_size=image_size, iterations=iterations, restarts=restarts, lr=lr,
                  tv_weight=tv_weight, seed=seed)
     return [invert_client(v, i, **knobs)[1] for i, v in enumerate(views)]
+
+
+# -- in the audit: the recorded prompt uploads of a run, inverted ------------------------------------------------
+
+GIA_COLUMNS = ("CLIPCos", "GradCos", "PSNR", "Top-1")
+GIA_REFERENCE = ("rand CLIPCos", "rand Top-1")  # random images (the inversion's start): the no-leak level
+GIA_ROUNDS = ("last", "all")
+
+
+@dataclass(frozen=True)
+class GIABudget:
+    """How much gradient inversion an audit runs (fedsept.txt 5.5, SPEC 1.12: 2,000 iterations x 4
+    restarts per client). The default is small so that an audit of the offline benchmark takes about a
+    minute on a CPU: `images` dummies per client, `iterations` Adam steps, `restarts`, the first `clients`
+    uploading clients (0 = all) of the last recorded round (`rounds="all"`: every recorded round)."""
+
+    images: int = 4
+    iterations: int = 100
+    restarts: int = 1
+    clients: int = 2
+    rounds: str = "last"
+    lr: float = 0.1
+    tv_weight: float = 1e-4
+
+    def __post_init__(self) -> None:
+        from raysim.errors import ConfigError
+
+        if self.images < 1 or self.iterations < 1 or self.restarts < 1 or self.clients < 0 or not self.lr > 0 or self.tv_weight < 0:
+            raise ConfigError("gia: images >= 1, iterations >= 1, restarts >= 1, clients >= 0 (0 = all), lr > 0, tv_weight >= 0")
+        if self.rounds not in GIA_ROUNDS:
+            raise ConfigError(f"gia rounds must be one of {', '.join(GIA_ROUNDS)}, got {self.rounds!r}")
+
+
+DEFAULT_GIA = GIABudget()
+
+
+def client_images(run: Any, size: int) -> Callable[[int], Tensor]:
+    """cid -> the client's training images (normalised, at the CLIP input size), in its train order."""
+    from raysim.data import DATASETS, LoadSpec
+    from raysim.data.partition import is_pooled
+
+    cfg = run.cfg
+    bundle = DATASETS.get(cfg.data.dataset)(LoadSpec(data_root=cfg.data.data_root, image_size=size, download=False,
+                                                     seed=cfg.train.seed, cache_dir=cfg.output.cache_dir))
+    pooled = is_pooled(cfg.data.partition)
+
+    def images(cid: int) -> Tensor:
+        rows = run.data.train_idx[cid]
+        n = len(bundle.train.labels)  # a pooled partition's indices run over train, then test
+        pick = [bundle.test.images[int(i) - n] if pooled and int(i) >= n else bundle.train.images[int(i)] for i in rows]
+        return torch.stack([torch.as_tensor(p[0] if isinstance(p, (tuple, list)) else p) for p in pick]).float()
+
+    return images
+
+
+def dummy_labels(labels: Tensor, k: int) -> Tensor:
+    """The labels the server gives its k dummies: the client's classes by how many samples it holds
+    (most first, ties lower id first), cycled when it holds fewer than k classes. Labels are known to
+    the attacker in the SPEC 1.12 setting (the batch's label counts leak from the update)."""
+    counts = torch.bincount(labels)
+    order = sorted((c for c in range(len(counts)) if counts[c] > 0), key=lambda c: (-int(counts[c]), c))
+    return torch.tensor([order[i % len(order)] for i in range(k)], dtype=torch.long)
+
+
+@register_attack
+class GradientInversion(Attack):
+    """Invert each attacked client's recorded update of the shared prompt tensor (options: a GIABudget).
+
+    The server's view: theta_pre (the round's broadcast), theta_post (the upload), the client's lr and
+    weight decay, the labels, and (white box, the upper bound) the client's private state as it entered
+    the round (FedSEPT's R and router; its checkpoint of its previous round, or its initial state).
+    g^ = -(theta_post - theta_pre) / lr is the summed update of the client's local steps: exact for one
+    plain SGD step on one batch (benchmarks/gia_fedsept.py), the direction of the average gradient over
+    its data for several small steps; gradient matching by cosine needs only the direction. The dummies'
+    gradient is the mean over a batch of `budget.images` images with the labels of `dummy_labels`;
+    each reconstruction is scored against the client's closest training image (reconstruction_metrics)."""
+
+    name = "gradient_inversion"
+    family = "update"
+    order = 40  # after the update MIA
+
+    def applies(self, run: Any, method: Any) -> bool:
+        """A CLIP prompt method that declares its loss split (`loss_parts`: PromptFL, FedSEPT, DP-FPL) and
+        uploads that shared tensor."""
+        return declares(method, "loss_parts")
+
+    def run(self, run: Any, method: Any, *, rounds: str = "available", clients: Optional[Sequence[int]] = None, seed: int = 0,
+            options: Any = None, progress: bool = True) -> AttackOutput:
+        import time
+
+        from raysim.models.clip import ModelSpec, image_size_of, load_clip
+
+        budget = DEFAULT_GIA if options is None else options
+        out = AttackOutput()
+        cfg, env = run.cfg, run.env
+        recorded = run.upload_rounds()
+        todo = recorded[-1:] if budget.rounds == "last" else recorded
+        jobs: list[tuple[int, int]] = []
+        for r in todo:
+            ids = [c for c in sorted(run.uploads(r)["uploads"]) if clients is None or c in clients]
+            jobs += [(r, c) for c in (ids[:budget.clients] if budget.clients else ids)]
+        if not jobs:
+            out.summary = clients_then_rounds(out.rows, GIA_COLUMNS + GIA_REFERENCE)
+            return out
+        clip = load_clip(ModelSpec(cfg.model.name, cfg.model.pretrained, cache_dir=cfg.output.cache_dir), device=env.device)
+        size = image_size_of(clip)
+        images_of = client_images(run, size)
+        low, high = pixel_range()
+        cache = TextJacobianCache()
+        bar = Progress(f"audit {run.run_dir.name}: gradient inversion ({budget.images} images, {budget.iterations} iterations x "
+                       f"{budget.restarts} restarts per client)", len(jobs), enabled=progress)
+        for r, cid, record in run.records(jobs):
+            saved = run.state_before(cid, r)
+            if saved is None:
+                out.skipped.append(f"round {r}, client {cid}: its state entering round {r} is no longer on disk "
+                                   "(rerun with output.keep_client_states=all)")
+                bar.step(f"round {r} client {cid}: skipped (state not on disk)")
+                continue
+            t0 = time.perf_counter()
+            grad = prompt_shared_grad(method, env, clip, record["pre"], saved["private"], cache=cache)
+            name = grad.name
+            post = record["uploads"][cid][name].to(env.device)
+            g_hat = observed_gradient(record["pre"][name].to(env.device), post, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+            target = grad.target(g_hat)
+            cdata = run.data.client(cid)
+            labels = dummy_labels(cdata.y_train, budget.images)
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + r * 1009 + cid)
+            with torch.enable_grad():
+                inv = invert_gradient(grad.fn, target, labels, image_size=size, iterations=budget.iterations,
+                                      restarts=budget.restarts, lr=budget.lr, tv_weight=budget.tv_weight, generator=gen)
+            originals = images_of(cid).to(env.device)
+            got = reconstruction_metrics(inv.images, originals, clip=clip, env=env, grad_cos=inv.grad_cos).as_dict()
+            noise = torch.randn((budget.images, 3, size, size), generator=gen).to(env.device)
+            noise = torch.max(torch.min(noise, high.to(env.device)), low.to(env.device))
+            ref = reconstruction_metrics(noise, originals, clip=clip, env=env).as_dict()
+            out.rows.append({"round": r, "client": cid, **got, "rand CLIPCos": ref["CLIPCos"], "rand Top-1": ref["Top-1"],
+                             "rand PSNR": ref["PSNR"], "seconds": time.perf_counter() - t0})
+            if r not in out.rounds:
+                out.rounds.append(r)
+            bar.step(f"round {r} client {cid}: CLIPCos {got['CLIPCos']:.3f} (random images {ref['CLIPCos']:.3f}), "
+                     f"GradCos {got['GradCos']:.3f}")
+        out.summary = clients_then_rounds(out.rows, GIA_COLUMNS + GIA_REFERENCE)
+        return out

@@ -10,11 +10,14 @@ the best threshold.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from raysim.attacks.base import Release, ReleaseAttack, clients_then_rounds, features, register_attack
 
 
 @dataclass
@@ -103,3 +106,44 @@ def prototype_mia(
         raise ValueError("no class has a prototype, members and non-members")
     m = np.mean(np.array(per_class), axis=0)
     return MIAResult(float(m[0]), float(m[1]), float(m[2]), float(m[3]), float(m[4]), len(per_class))
+
+
+# -- in the audit: each recorded prototype release, scored with the client's own features ------------------------
+
+MIA_COLUMNS = ("auc", "tpr@1%fpr", "tpr@0.1%fpr", "advantage", "f1")
+
+
+def _subsample(labels: Tensor, limit: int, gen: torch.Generator) -> Tensor:
+    """Row indices: up to `limit` rows of each class, drawn at random (seeded)."""
+    keep = []
+    for c in torch.unique(labels).tolist():
+        rows = torch.nonzero(labels == c).flatten()
+        keep.append(rows[torch.randperm(len(rows), generator=gen)[:limit]])
+    return torch.sort(torch.cat(keep)).values if keep else torch.zeros(0, dtype=torch.long)
+
+
+@register_attack
+class PrototypeMIA(ReleaseAttack):
+    """Per client up to `options` (max_per_class, default 800) member (train) and as many non-member (its
+    own test split) features per class from the client's own extractor, scored against its released
+    prototype of their class: AUC, TPR@1%FPR, TPR@0.1%FPR, advantage, F1 (one row per round and client)."""
+
+    name = "prototype_mia"
+    order = 10  # scored before FSH on each release (its note comes first on the progress line)
+
+    def score(self, release: Release, *, seed: int, options: Any) -> tuple[list[dict[str, Any]], str, list[str]]:
+        limit = 800 if options is None else int(options)
+        r, cid, cdata = release.round, release.client, release.data
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + r * 1009 + cid)
+        mi, ni = _subsample(cdata.y_train, limit, gen), _subsample(cdata.y_test, limit, gen)
+        test_f = features(release.extract, cdata.x_test, release.device)
+        train_f = release.train_features
+        try:
+            res = prototype_mia(train_f[mi], cdata.y_train[mi], test_f[ni], cdata.y_test[ni], release.protos, max_per_class=limit)
+        except ValueError:
+            return [], "", [f"round {r}, client {cid}: MIA: no class with a prototype, members and non-members"]
+        row = {"round": r, "client": cid, **res.as_dict(), "members": len(mi), "nonmembers": len(ni)}
+        return [row], f": MIA AUC {res.auc:.3f}", []
+
+    def summarize(self, rows: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
+        return clients_then_rounds(rows, MIA_COLUMNS)

@@ -48,15 +48,17 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from raysim.attacks.base import Attack, AttackOutput, register_attack, releases_prototypes, say
 from raysim.attacks.prototype_mia import roc_metrics
 from raysim.errors import ConfigError, RaysimError
+from raysim.storage.runfolder import RunFolder
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -115,17 +117,15 @@ def query_features(logits: Tensor, labels: Tensor) -> np.ndarray:
     return torch.stack([top[:, 0], margin, entropy, true_logp.exp(), -true_logp], dim=1).numpy()
 
 
-def recorded_update_features(run_dir: str | Path) -> dict[int, dict[int, np.ndarray]]:
+def recorded_update_features(run_dir: str | Path | RunFolder) -> dict[int, dict[int, np.ndarray]]:
     """round -> client -> update features, for every recorded round of a run."""
-    from raysim.storage.store import StateStore
-
-    store = StateStore(run_dir)
-    rounds = store.upload_rounds()
+    run = run_dir if isinstance(run_dir, RunFolder) else RunFolder(run_dir)
+    rounds = run.upload_rounds()
     if not rounds:
         raise ConfigError(f"run {run_dir} was not recorded: rerun with record_uploads=true")
     seen: dict[int, list[tuple[int, np.ndarray, np.ndarray]]] = {}
     for r in rounds:
-        record = store.load_uploads(r)
+        record = run.uploads(r)
         for cid, tensors in record["uploads"].items():
             pre = {k: record["pre"].get(k, torch.zeros_like(v)) for k, v in tensors.items()}  # prototypes etc.: from 0
             seen.setdefault(int(cid), []).append((r, flatten(pre), flatten(tensors)))
@@ -192,6 +192,7 @@ def membership_pairs(
     cols: list[list[np.ndarray]] = [[], [], [], [], []]  # sample, owner, target, member, in_test
     for t in targets:
         if own_test:
+            assert test_idx is not None and y_train is not None and y_test is not None  # checked above
             mine, theirs = np.asarray(train_idx[t]), np.asarray(test_idx[t])
             members, nonmember = [], []
             for c in np.unique(y_train[mine]):
@@ -284,23 +285,18 @@ def update_mia(
 # -- rebuilding the final personalised models -------------------------------------------------
 
 def final_model_logits(
-    run_dir: str | Path, cfg, data, rows: Mapping[int, np.ndarray], *, in_test: Optional[Mapping[int, np.ndarray]] = None,
+    run_dir: str | Path | RunFolder, cfg, data, rows: Mapping[int, np.ndarray], *, in_test: Optional[Mapping[int, np.ndarray]] = None,
 ) -> dict[int, Tensor]:
     """Logits of each client's final personalised model on its rows `rows[client]` of the training set
     (or of the test set where `in_test[client]`, a bool mask over those rows, is set), from the checkpoints
     of the last completed round; a client that never took part has its initial private state."""
-    from raysim.config.checks import make_method
-    from raysim.engine.hosts import broadcast_state, env_spec, initial_private
-    from raysim.storage.store import StateStore
-
-    method = make_method(cfg)
-    env = method.build_env(env_spec(cfg, data.classnames), role="client")
-    store = StateStore(run_dir)
-    last = store.completed_round()
-    server = store.load_server(last)
+    run = run_dir if isinstance(run_dir, RunFolder) else RunFolder(run_dir, cfg=cfg, data=data)
+    method, env = run.method, run.env
+    last = run.completed_round()
+    server = run.server_state(last)
     if server is None:
         raise ConfigError(f"run {run_dir} has no server checkpoint; was it interrupted before its first round?")
-    shared = broadcast_state(method, server)
+    shared = run.broadcast(server)
     out = {}
     for cid, idx in rows.items():
         test = np.zeros(len(idx), dtype=bool) if in_test is None else np.asarray(in_test[cid], dtype=bool)
@@ -312,15 +308,16 @@ def final_model_logits(
             x[~test], x[test] = tr[idx[~test]], te[idx[test]]
             inputs.append(torch.as_tensor(x))
         cdata = data.client(cid)
-        saved = store.load_client(cid, last)
-        private = saved["private"] if saved is not None else initial_private(method, env, cdata, cfg.train.seed)
+        saved = run.store.load_client(cid, last)
+        private = saved["private"] if saved is not None else run.initial_private(cid)
         with torch.no_grad():
             out[cid] = method.predictor(env, shared, private, cdata)(*inputs).float().cpu()
     return out
 
 
 def audit_run(
-    run_dir: str | Path, *, target_clients: Optional[Sequence[int]] = None, seed: int = 0, nonmembers: str = "other_clients",
+    run_dir: str | Path | RunFolder, *, target_clients: Optional[Sequence[int]] = None, seed: int = 0,
+    nonmembers: str = "other_clients",
 ) -> pd.DataFrame:
     """Both attackers on a recorded run: one row per attack with mean_auc, final_auc, the number of
     recorded rounds, targets and candidate pairs, the run's HM accuracy (a fraction; SPEC 1.12) and the
@@ -329,18 +326,13 @@ def audit_run(
     "own_test" (the target's own test samples of its classes; see the module docstring)."""
     import pandas as pd
 
-    from raysim.config import load_yaml
-    from raysim.config.checks import build_config, make_method
-    from raysim.engine.loop import prepare_data
     from raysim.metrics import summarize
 
     check_nonmembers(nonmembers)
-    run_dir = Path(run_dir).expanduser()
-    if not (run_dir / "config.yaml").is_file():
-        raise ConfigError(f"{run_dir} holds no config.yaml; pass the out_dir of a run")
-    cfg = build_config(load_yaml(run_dir / "config.yaml"))
-    updates = recorded_update_features(run_dir)
-    data = prepare_data(cfg, make_method(cfg).needs(), progress=False)
+    run = run_dir if isinstance(run_dir, RunFolder) else RunFolder.open(run_dir)
+    cfg = run.cfg
+    updates = recorded_update_features(run)
+    data = run.data
     targets = list(range(data.num_clients)) if target_clients is None else sorted(set(int(t) for t in target_clients))
     bad = [t for t in targets if not 0 <= t < data.num_clients]
     if bad:
@@ -348,7 +340,7 @@ def audit_run(
     pairs = membership_pairs(data.train_idx, targets, seed=seed, nonmembers=nonmembers, test_idx=data.test_idx,
                              y_train=data.y_train, y_test=data.y_test)
     mine = {t: pairs.target == t for t in targets}
-    logits = final_model_logits(run_dir, cfg, data, {t: pairs.sample[m] for t, m in mine.items()},
+    logits = final_model_logits(run, cfg, data, {t: pairs.sample[m] for t, m in mine.items()},
                                 in_test={t: pairs.in_test[m] for t, m in mine.items()})
     labels = np.empty(len(pairs), dtype=np.int64)
     labels[~pairs.in_test] = data.y_train[pairs.sample[~pairs.in_test]]
@@ -356,13 +348,38 @@ def audit_run(
     query = np.zeros((len(pairs), len(QUERY_FEATURES)))
     for t, m in mine.items():
         query[m] = query_features(logits[t], torch.as_tensor(labels[m]))
-    hm = summarize(run_dir / "results.csv", last=max(1, cfg.eval.last)).get("hm", math.nan)
+    hm = summarize(run.path / "results.csv", last=max(1, cfg.eval.last)).get("hm", math.nan)
     results = [update_mia(updates, pairs, seed=seed), update_mia(updates, pairs, query=query, seed=seed)]
     return pd.DataFrame([
         {"attack": r.attack, "mean_auc": r.mean_auc, "final_auc": r.final_auc, "rounds": len(r.round_aucs),
          "targets": len(targets), "pairs": r.pairs, "hm": hm, "nonmembers": r.nonmembers}
         for r in results
     ])
+
+
+@register_attack
+class UpdateMIA(Attack):
+    """The update-only and update-and-query logistic attackers on what the server saw (options: the kind
+    of non-members, NONMEMBERS): one row per attacker (mean AUC over rounds, final-round AUC, HM)."""
+
+    name = "update_mia"
+    family = "update"
+    order = 30
+
+    def applies(self, run: Any, method: Any) -> bool:
+        """A method whose uploads are trained tensors (not a prototype release)."""
+        return not releases_prototypes(method)
+
+    def run(self, run: Any, method: Any, *, rounds: str = "available", clients: Optional[Sequence[int]] = None, seed: int = 0,
+            options: Any = None, progress: bool = True) -> AttackOutput:
+        if progress:
+            say(f"audit {run.run_dir.name}: update MIA (update-only, update-and-query) over {len(run.upload_rounds())} rounds")
+        df = audit_run(run, target_clients=clients, seed=seed, nonmembers=options or "other_clients")
+        summary: dict[str, tuple[float, float]] = {}
+        for _, row in df.iterrows():
+            summary[f"{row['attack']} mean_auc"] = (float(row["mean_auc"]), 0.0)
+            summary[f"{row['attack']} final_auc"] = (float(row["final_auc"]), 0.0)
+        return AttackOutput(rows=df, rounds=run.upload_rounds(), summary=summary)
 
 
 def markdown(df: pd.DataFrame) -> str:

@@ -43,8 +43,7 @@ def plain_loop(cfg) -> list[float]:
     """The same client and server code in one process: no hosts, privacy handles, checkpoints or logs."""
     import torch
 
-    from raysim.config.checks import make_method
-    from raysim.engine.hosts import env_spec
+    from raysim.config.checks import env_spec, make_method
     from raysim.engine.loop import prepare_data
     from raysim.methods import Upload
     from raysim.privacy import NoDP

@@ -41,9 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def build(method_name: str, args):
     import torch
 
-    from raysim.config.checks import build_config, make_method
+    from raysim.config.checks import build_config, env_spec, make_method
     from raysim.data.synthetic import SyntheticParams
-    from raysim.engine.hosts import env_spec
 
     cfg = build_config({
         "method": method_name,

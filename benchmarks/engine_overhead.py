@@ -24,8 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def plain_loop(cfg, rounds: int) -> list[float]:
     import torch
 
-    from raysim.config.checks import make_method
-    from raysim.engine.hosts import env_spec
+    from raysim.config.checks import env_spec, make_method
     from raysim.engine.loop import prepare_data
     from raysim.methods import ClientData, Upload
     from raysim.privacy import NoDP

@@ -185,8 +185,8 @@ def server_round(method, env, state, upload: dict[str, torch.Tensor], n: int, cl
 
 def measure(name, method, env, args, device) -> tuple[dict[str, float], dict[str, str]]:
     """One row: (the numbers, what crosses: {"up": shapes, "down": shapes})."""
-    from raysim.engine.hosts import broadcast_state
     from raysim.methods import ClientData
+    from raysim.methods.base import broadcast_state
     from raysim.privacy.dpsgd import DPSGD, NoDP
 
     g = torch.Generator().manual_seed(0)
@@ -343,8 +343,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_rows(args) -> tuple[list[tuple[str, dict[str, float]]], str, dict]:
     """Every row measured in this process: (rows, a description of the device, per-row shapes and skipped rows)."""
-    from raysim.config.checks import make_method
-    from raysim.engine.hosts import env_spec
+    from raysim.config.checks import env_spec, make_method
     from raysim.errors import ConfigError
     from raysim.models.clip import resolve_device
 

@@ -32,8 +32,7 @@ def _setup(role: str):
     if role not in _cache:
         import torch
 
-        from raysim.config.checks import build_config, make_method
-        from raysim.engine.hosts import env_spec
+        from raysim.config.checks import build_config, env_spec, make_method
         from raysim.engine.loop import prepare_data
 
         benchlib.register_bench_model()
@@ -59,7 +58,7 @@ def _build_client_app():
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
-        from raysim.engine.hosts import initial_private
+        from raysim.methods.base import initial_private
         from raysim.privacy import NoDP
         from raysim.sampling import generator
 

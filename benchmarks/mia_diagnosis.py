@@ -42,8 +42,10 @@ import torch.nn.functional as F  # noqa: E402
 
 
 def diagnose(run_dir: Path, clients: list[int] | None = None, max_per_class: int = 800) -> list[dict[str, float]]:
+    from raysim.attacks.base import classifier_of, extractor_of
+    from raysim.attacks.base import features as _features
     from raysim.attacks.prototype_mia import roc_metrics
-    from raysim.tools.audit import RunView, _features, classifier_of, extractor_of
+    from raysim.storage.runfolder import RunFolder as RunView
 
     view = RunView.open(run_dir)
     store = view.store

@@ -161,10 +161,10 @@ def run_plain(spec: dict, sizes: list[int]) -> dict[int, dict[str, Any]]:
     import benchlib
     import torch
 
-    from raysim.config.checks import build_config, make_method
-    from raysim.engine.hosts import env_spec, initial_private
+    from raysim.config.checks import build_config, env_spec, make_method
     from raysim.engine.loop import prepare_data
     from raysim.methods import Upload
+    from raysim.methods.base import initial_private
     from raysim.privacy import NoDP
     from raysim.sampling import generator, participants
 

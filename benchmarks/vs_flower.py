@@ -92,10 +92,10 @@ def _channel(fd: int) -> tuple[Callable[[dict], None], Callable[[], None]]:
 def worker_plain(spec: dict, report, wait) -> None:
     import torch
 
-    from raysim.config.checks import build_config, make_method
-    from raysim.engine.hosts import env_spec, initial_private
+    from raysim.config.checks import build_config, env_spec, make_method
     from raysim.engine.loop import prepare_data
     from raysim.methods import Upload
+    from raysim.methods.base import initial_private
     from raysim.privacy import NoDP
     from raysim.sampling import generator, participants
 

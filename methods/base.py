@@ -35,6 +35,7 @@ from raysim.config.schema import DPConfig, TrainConfig
 from raysim.data.client import ClientData
 from raysim.privacy.mechanisms import ReleaseSpec
 from raysim.registry import Registry
+from raysim.sampling import generator
 
 
 @dataclass
@@ -230,3 +231,14 @@ METHODS: Registry[type[Method]] = Registry("method")
 
 
 register_method = METHODS.add  # class decorator: registers a Method subclass under its `name`
+
+
+def initial_private(method: Method, env: Any, data: ClientData, seed: int) -> dict[str, Any]:
+    """A client's private state before its first participation (from its own seeded stream)."""
+    return method.init_private(env, data, generator(seed, "init", data.client_id))
+
+
+def broadcast_state(method: Method, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The part of the server state that is broadcast (without the method's `server_only` keys)."""
+    hidden = tuple(method.server_only)
+    return {k: v for k, v in state.items() if not any(k == h or k.startswith(h + ".") for h in hidden)}

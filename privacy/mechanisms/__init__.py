@@ -28,227 +28,31 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Optional, TypeVar
 
-from raysim.errors import ConfigError, UploadViolation
-from raysim.registry import Registry
-
-if TYPE_CHECKING:
-    from torch import Tensor
-
-    from ..host import RoundPrivacy
-    from ..ledger import Release
-
-KINDS = ("dpsgd", "update", "prototype", "embedding", "public", "reference")
-LEVELS = ("sample", "client")
-
-
-@dataclass(frozen=True)
-class ReleaseSpec:
-    """What a method declares about one upload: the kind of release, and why it is public (for `public`)."""
-
-    kind: str
-    note: str = ""
-    once: bool = False  # one release per run (embedding), not one per participation
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"release kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        if self.kind == "public" and not self.note:
-            raise ValueError("a public upload needs a note saying why the paper treats it as public")
-
-
-def dpsgd() -> ReleaseSpec:
-    return ReleaseSpec("dpsgd")
-
-
-def update() -> ReleaseSpec:
-    return ReleaseSpec("update")
-
-
-def prototype() -> ReleaseSpec:
-    return ReleaseSpec("prototype")
-
-
-def embedding() -> ReleaseSpec:
-    return ReleaseSpec("embedding", once=True)
-
-
-def public(note: str) -> ReleaseSpec:
-    return ReleaseSpec("public", note=note)
-
-
-def reference() -> ReleaseSpec:
-    """A release noised the way a reference code does it, which is not a valid DP guarantee (README "Privacy")."""
-    return ReleaseSpec("reference")
-
-
-# ------------------------------------------------------------------------------------- mechanisms
-@dataclass(frozen=True)
-class Planned:
-    """Gaussian compositions one participation costs: `steps` releases at sampling rate `q` (all at the
-    client's common multiplier); `pure` is an epsilon spent by a pure-DP part, as a share of the target."""
-
-    q: float = 1.0
-    steps: int = 0
-    pure_share: float = 0.0
-
-
-@dataclass
-class Training:
-    """What a `train` mechanism gives a round: the step object behind `privacy.backward` (DPSGD or
-    BatchClipSGD), the ledger entry of the round's steps (its `steps` filled in at close), whether the
-    batches are Poisson-sampled, and whether the entry is recorded when no step ran."""
-
-    stepper: Any
-    release: "Release"
-    poisson: bool = False
-    record_without_steps: bool = True
-
-    def done(self) -> Optional["Release"]:
-        from dataclasses import replace
-
-        steps = int(self.stepper.steps)
-        return replace(self.release, steps=steps) if steps or self.record_without_steps else None
-
-
-class Mechanism:
-    """A registered release mechanism. The class attributes are the README's mechanism table, and what
-    the host and `resolve` ask of it; the methods are its hooks."""
-
-    name: ClassVar[str] = ""
-    applied: ClassVar[str] = ""  # "train" (inside local training), "release" (on the method's request), "update", "none"
-    clipped: ClassVar[str] = ""
-    sensitivity: ClassVar[str] = ""
-    relation: ClassVar[str] = ""
-    accountant: ClassVar[str] = ""
-    warning: ClassVar[str] = ""  # a line the run logs once when this mechanism is in use (e.g. not a valid guarantee)
-    serves: ClassVar[tuple[str, ...]] = ()  # the release kinds it privatises
-    levels: ClassVar[tuple[str, ...]] = LEVELS  # the dp.level values it serves them at
-    choice: ClassVar[str] = ""  # the dp.prototypes value that selects it ("" = not chosen by dp.prototypes)
-    options: ClassVar[tuple[str, ...]] = ()  # the dp fields (dotted) it reads
-    joint: ClassVar[bool] = False  # one release privatises every tensor it covers at once (one step, one update)
-    trains_with_dpsgd: ClassVar[bool] = False  # per-example DP-SGD inside local training
-    refusal: ClassVar[str] = ""  # why {what} cannot be released at another dp.level, and what to do
-
-    def __init__(self, dp: Any) -> None:
-        self.dp = dp
-
-    @property
-    def private(self) -> bool:
-        """False for a release that costs and protects nothing (declared public)."""
-        return self.applied != "none"
-
-    @classmethod
-    def selected(cls, kind: str, dp: Any) -> bool:
-        """Whether this mechanism releases a `kind` upload under `dp` (DP on, or any dp for a public one)."""
-        return kind in cls.serves and dp.level in cls.levels and (not cls.choice or dp.prototypes == cls.choice)
-
-    # -- hooks -----------------------------------------------------------------------------------
-    def plan(self, *, num_train: int, steps_per_round: int, batch_size: int) -> Planned:
-        """The Gaussian compositions one participation costs (used to calibrate the multiplier)."""
-        return Planned()
-
-    planned = plan  # the previous name
-
-    def train(self, rp: "RoundPrivacy") -> Optional[Training]:
-        """For `applied = "train"`: the round's step object and ledger entry (None: not a training mechanism)."""
-        return None
-
-    def verify(self, rp: "RoundPrivacy", name: str, tensor: "Tensor", kind: str) -> None:
-        """Raise UploadViolation unless the upload `name` is what this mechanism privatised this round.
-        Default (host-made releases): it must be the tensor `privacy.release(name, ...)` returned."""
-        import torch
-
-        if name not in rp.released or not torch.equal(rp.released[name], tensor):
-            raise UploadViolation(
-                f"client {rp.cid}: {name!r} is a {kind} release and must be the tensor "
-                f"privacy.release({name!r}, ...) returned this round (fail closed)"
-            )
-
-
-MECHANISMS: Registry[type[Mechanism]] = Registry("privacy mechanism")
-
-
-M = TypeVar("M", bound=type[Mechanism])
-
-
-def register_mechanism(cls: M) -> M:
-    """Register a mechanism class under its `name` (a class decorator, in the mechanism's own module)."""
-    MECHANISMS.add(cls)
-    return cls
-
-
-def mechanisms() -> list[type[Mechanism]]:
-    """Every registered mechanism class, by name."""
-    return [MECHANISMS.get(n) for n in MECHANISMS.names()]
-
-
-def prototype_choices() -> list[str]:
-    """The values dp.prototypes may take: the `choice` of every mechanism serving prototype releases."""
-    return sorted({c.choice for c in mechanisms() if "prototype" in c.serves and c.choice})
-
-
-# ------------------------------------------------------------------------------------- resolution
-def resolve(spec: ReleaseSpec | str, dp: Any, *, what: str = "") -> Optional[Mechanism]:
-    """The mechanism that releases `what` (a `spec`, or a kind's name) under `dp`: the one registered
-    mechanism that serves its kind there (None when DP is off and the release is private: nothing is
-    privatised). Raises ConfigError when this kind of release cannot be made private at `dp.level`."""
-    kind = spec if isinstance(spec, str) else spec.kind
-    what = what or f"a {kind} upload"
-    if kind not in KINDS:
-        raise ConfigError(f"{what}: unknown release kind {kind!r}")
-    serving = [c for c in mechanisms() if kind in c.serves]
-    if not dp.enabled:
-        serving = [c for c in serving if c.applied == "none"]
-        return serving[0](dp) if serving else None
-    found = [c for c in serving if c.selected(kind, dp)]
-    if len(found) > 1:
-        raise ConfigError(f"{what}: mechanisms {', '.join(c.name for c in found)} all serve {kind} releases under this dp section; "
-                          "give them distinct dp.level or dp.prototypes choices")
-    if found:
-        return found[0](dp)
-    chosen = [c for c in serving if not c.choice or c.choice == dp.prototypes]
-    for c in chosen:
-        raise ConfigError(c.refusal.format(what=what) if c.refusal else
-                          f"{what} is a {kind} release, which {c.name} makes only at dp.level={'|'.join(c.levels)}; "
-                          f"use dp.level={c.levels[0]} or dp.epsilon=inf")
-    raise ConfigError(f"{what}: no registered mechanism serves {kind} releases at dp.level={dp.level}"
-                      f" with dp.prototypes={dp.prototypes}; choose dp.prototypes from {', '.join(prototype_choices())}"
-                      " or dp.epsilon=inf")
-
-
-def resolve_all(releases: dict[str, ReleaseSpec], dp: Any, *, method: str) -> dict[str, Optional[Mechanism]]:
-    return {name: resolve(spec, dp, what=f"{method}'s upload {name!r}") for name, spec in releases.items()}
-
-
-def check_method(method: Any, dp: Any) -> None:
-    """Config-time check: every upload `method` declares can be released privately under `dp`, and a
-    prototype mechanism other than the default is only chosen for a method that releases prototypes."""
-    from raysim.config.schema import DPConfig
-
-    if dp.enabled and dp.prototypes != DPConfig.prototypes and not any(s.kind == "prototype" for s in method.releases.values()):
-        raise ConfigError(
-            f"dp.prototypes={dp.prototypes} chooses how prototypes are released, but {method.name} releases no prototypes; "
-            "use a prototype method (fedproto, fedtgp, vpdr_fedproto, ...) or leave dp.prototypes at its default"
-        )
-    resolve_all(method.releases, dp, method=method.name)
-
-
-def warnings_for(method: Any, dp: Any) -> list[str]:
-    """The lines a run logs once for the mechanisms `method`'s uploads resolve to under `dp`."""
-    lines = []
-    for mech in resolve_all(method.releases, dp, method=method.name).values():
-        if mech is not None and mech.warning and mech.warning not in lines:
-            lines.append(mech.warning)
-    return lines
-
-
-def mechanism_table() -> list[dict[str, str]]:
-    """One row per registered mechanism (README "Privacy")."""
-    return [{"mechanism": c.name, "clipped": c.clipped, "sensitivity": c.sensitivity, "relation": c.relation,
-             "accountant": c.accountant} for c in mechanisms()]
+from .base import (  # noqa: F401 (the package's names)
+    KINDS,
+    LEVELS,
+    MECHANISMS,
+    M,
+    Mechanism,
+    Planned,
+    ReleaseSpec,
+    Training,
+    check_method,
+    dpsgd,
+    embedding,
+    mechanism_table,
+    mechanisms,
+    prototype,
+    prototype_choices,
+    public,
+    reference,
+    register_mechanism,
+    resolve,
+    resolve_all,
+    update,
+    warnings_for,
+)
 
 
 # ------------------------------------------------------------------------------------- discovery
@@ -256,6 +60,8 @@ def discover() -> list[str]:
     """Import every module of this package (each registers its mechanisms); returns their names."""
     names = []
     for info in pkgutil.iter_modules(__path__, prefix=__name__ + "."):
+        if info.name.endswith(".base"):
+            continue
         importlib.import_module(info.name)
         names.append(info.name)
     return names

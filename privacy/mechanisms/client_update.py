@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import Mechanism, Planned, register_mechanism
+from .base import Mechanism, Planned, register_mechanism
 
 
 @register_mechanism

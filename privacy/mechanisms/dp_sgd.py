@@ -11,7 +11,7 @@ import torch
 
 from raysim.errors import UploadViolation
 
-from . import Mechanism, Planned, Training, register_mechanism
+from .base import Mechanism, Planned, Training, register_mechanism
 
 
 @register_mechanism

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from . import Mechanism, Training, register_mechanism
+from .base import Mechanism, Training, register_mechanism
 from .dp_sgd import verify_trained
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import Mechanism, Planned, register_mechanism
+from .base import Mechanism, Planned, register_mechanism
 
 
 @register_mechanism

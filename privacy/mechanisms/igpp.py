@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import Mechanism, Planned, register_mechanism
+from .base import Mechanism, Planned, register_mechanism
 
 
 class PrototypeMechanism(Mechanism):

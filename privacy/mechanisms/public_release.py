@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import Mechanism, register_mechanism
+from .base import Mechanism, register_mechanism
 
 
 @register_mechanism

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import Planned, register_mechanism
+from .base import Planned, register_mechanism
 from .igpp import PrototypeMechanism, dense
 
 

@@ -53,6 +53,20 @@ def make_method(cfg: RunConfig) -> Method:
     return get_method(cfg.method)(cfg.train, method_options(cfg), cfg.dp)
 
 
+def env_spec(cfg: RunConfig, classnames: list[str]) -> Any:
+    """What a host knows when it builds the method's frozen parts (EnvSpec), from the run's config."""
+    from raysim.methods import EnvSpec
+    from raysim.models.clip import FastPaths, ModelSpec, resolve_device
+
+    return EnvSpec(
+        model=ModelSpec(cfg.model.name, cfg.model.pretrained, cache_dir=cfg.output.cache_dir,
+                        fast=FastPaths(cfg.execution.autocast, cfg.execution.compile)),
+        classnames=list(classnames),
+        device=str(resolve_device(cfg.execution.device)),
+        dataset=cfg.data.dataset,
+    )
+
+
 def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> RunConfig:
     """Build and validate a RunConfig from a (nested) mapping plus keyword overrides."""
     from raysim.methods import get_method, method_names

@@ -20,40 +20,17 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from raysim.config import RunConfig, keeps_all_client_states
-from raysim.config.checks import make_method
+from raysim.config.checks import env_spec, make_method
 from raysim.data.federation import ClientSlices, FederationData
 from raysim.engine.client_round import ClientPolicy, ClientReport, ClientRound, Phase
 from raysim.errors import RaysimError, UploadViolation
-from raysim.methods import ClientData, EnvSpec, Method, Upload
-from raysim.methods.base import ServerResult
+from raysim.methods import ClientData, Method, Upload
+from raysim.methods.base import ServerResult, broadcast_state, initial_private
 from raysim.sampling import generator, schedule
 from raysim.storage.store import StateStore
 
 if TYPE_CHECKING:
     from raysim.privacy.host import RoundPrivacy
-
-
-def env_spec(cfg: RunConfig, classnames: list[str]) -> EnvSpec:
-    from raysim.models.clip import FastPaths, ModelSpec, resolve_device
-
-    return EnvSpec(
-        model=ModelSpec(cfg.model.name, cfg.model.pretrained, cache_dir=cfg.output.cache_dir,
-                        fast=FastPaths(cfg.execution.autocast, cfg.execution.compile)),
-        classnames=list(classnames),
-        device=str(resolve_device(cfg.execution.device)),
-        dataset=cfg.data.dataset,
-    )
-
-
-def initial_private(method: Method, env: Any, data: ClientData, seed: int) -> dict[str, Any]:
-    """A client's private state before its first participation (from its own seeded stream)."""
-    return method.init_private(env, data, generator(seed, "init", data.client_id))
-
-
-def broadcast_state(method: Method, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The part of the server state that is broadcast (without the method's `server_only` keys)."""
-    hidden = tuple(method.server_only)
-    return {k: v for k, v in state.items() if not any(k == h or k.startswith(h + ".") for h in hidden)}
 
 
 def check_upload(method: Method, client_id: int, upload: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -9,20 +9,17 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
-
-if TYPE_CHECKING:
-    import torch
+from typing import Any, Callable, Optional
 
 import numpy as np
 
-from raysim.config import RunConfig, flatten, load_yaml
-from raysim.config.checks import build_config
-from raysim.data.federation import FederationData
-from raysim.errors import ConfigError, RunFolderLocked
+from raysim.config import RunConfig, flatten
+from raysim.data.prepare import client_domains, materialize_images, prepare_data  # noqa: F401 (moved there; re-exported)
+from raysim.errors import ConfigError
 from raysim.metrics import RunLogger, harmonic_mean, summary_table
 from raysim.sampling import eval_clients, participants
-from raysim.storage.store import LOCK_NAME, RunLock, StateStore
+from raysim.storage.runfolder import RunFolder
+from raysim.storage.store import RunLock, StateStore
 
 log = logging.getLogger(__name__)
 
@@ -41,93 +38,6 @@ class RunResult:
 def eval_rounds(rounds: int, every: int, last: int) -> set[int]:
     """Rounds (0-based) after which all clients are evaluated: every `every` rounds plus the last `last`."""
     return {r for r in range(rounds) if (r + 1) % every == 0 or r >= rounds - last}
-
-
-def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationData:
-    """Load the dataset, partition it, and (for CLIP methods) compute or load frozen image features;
-    `needs` is the method's declared `Needs` (input kind and size, image tokens)."""
-    from raysim.data import DATASETS, LoadSpec, PartitionSpec, partition
-    from raysim.data.features import cached_image_features
-    from raysim.data.partition import is_pooled
-    from raysim.models.clip import ModelSpec, load_clip, register_builtin_configs, resolve_device
-
-    register_builtin_configs()
-    import open_clip
-
-    if cfg.model.name not in open_clip.list_models():
-        load_clip(ModelSpec(cfg.model.name, cfg.model.pretrained, cache_dir=cfg.output.cache_dir))  # raises the helpful ConfigError
-    model_cfg = open_clip.get_model_config(cfg.model.name) or {}
-    size = (model_cfg.get("vision_cfg") or {}).get("image_size", 224)
-    size = int(size[0] if isinstance(size, (list, tuple)) else size)
-    if needs.input == "images" and needs.image_size:
-        size = needs.image_size  # methods that train their own image models pick their input size
-    spec = LoadSpec(data_root=cfg.data.data_root, image_size=size, download=cfg.data.download, seed=cfg.train.seed,
-                    cache_dir=cfg.output.cache_dir)
-    bundle = DATASETS.get(cfg.data.dataset)(spec)
-    pspec = PartitionSpec(
-        train_labels=bundle.train.labels,
-        test_labels=bundle.test.labels,
-        num_clients=cfg.train.num_clients,
-        seed=cfg.train.seed,
-        beta=cfg.data.beta,
-        shots=cfg.data.shots,
-        min_samples=cfg.data.min_samples,
-        train_domains=bundle.train.domains,
-        test_domains=bundle.test.domains,
-    )
-    splits = partition(cfg.data.partition, pspec)
-    ttr = tte = None
-    if needs.input == "features":
-        tokens = needs.tokens
-        xtr, xte, *toks = cached_image_features(
-            bundle, model_spec=ModelSpec(cfg.model.name, cfg.model.pretrained, cache_dir=cfg.output.cache_dir), image_size=size,
-            cache_dir=cfg.output.cache_dir,
-            device=resolve_device(cfg.execution.device), progress=progress, tokens=tokens,
-        )
-        if tokens:
-            ttr, tte = toks
-            if ttr.shape[1] < 2:
-                raise ConfigError(
-                    f"{cfg.model.name}'s image tower yields {ttr.shape[1]} token per image at {size} px (a 1x1 feature map), "
-                    "so attending over (or transporting between) tokens degenerates to the pooled feature; use a ViT image tower "
-                    "(e.g. model=raysim-tiny, or a ViT checkpoint from `raysim pretrain --vision vit`) or the method's pooled "
-                    "mode (fedsept.router=pooled, fedotp.tokens=pooled)"
-                )
-    else:
-        xtr, xte = materialize_images(bundle.train.images), materialize_images(bundle.test.images)
-    x_train, x_test = xtr.numpy(), xte.numpy()  # features (N, D) or images (N, 3, S, S)
-    y_train, y_test = bundle.train.labels.astype(np.int64), bundle.test.labels.astype(np.int64)
-    tok_train = None if ttr is None else ttr.numpy()  # (N, K, width) float16, only when asked for
-    tok_test = None if tte is None else tte.numpy()
-    if is_pooled(cfg.data.partition):  # the split's indices point into train + test merged (partition=pfllib)
-        x_train = x_test = np.concatenate([x_train, x_test])
-        y_train = y_test = np.concatenate([y_train, y_test])
-        if tok_train is not None and tok_test is not None:
-            tok_train = tok_test = np.concatenate([tok_train, tok_test])
-    return FederationData(
-        x_train=x_train,
-        y_train=y_train,
-        x_test=x_test,
-        y_test=y_test,
-        train_idx=[s.train for s in splits],
-        test_idx=[s.test for s in splits],
-        classnames=list(bundle.classnames),
-        tok_train=tok_train,
-        tok_test=tok_test,
-        client_domains=client_domains(bundle, splits),
-    )
-
-
-def client_domains(bundle: Any, splits: list[Any]) -> Optional[list[str]]:
-    """Each client's domain name (the most common among its training images), or None without domains."""
-    doms = bundle.train.domains
-    if doms is None or not bundle.domain_names:
-        return None
-    out = []
-    for s in splits:
-        d = doms[s.train] if len(s.train) else doms[:0]
-        out.append(bundle.domain_names[int(np.bincount(d).argmax())] if len(d) else "")
-    return out
 
 
 def metric_columns(method: Any) -> tuple[str, ...]:
@@ -159,61 +69,27 @@ def flat_config(cfg: RunConfig) -> dict[str, Any]:
     return flatten(cfg.to_dict())
 
 
-def materialize_images(images) -> "torch.Tensor":
-    """All images of a (small) dataset as one float tensor, for methods that train image models."""
-    import torch
-
-    loader = torch.utils.data.DataLoader(images, batch_size=512, shuffle=False)
-    return torch.cat([b[0] if isinstance(b, (list, tuple)) else b for b in loader])
-
-
 def resume_config(run_dir: str | Path, overrides: Optional[dict[str, Any]] = None) -> RunConfig:
     """The config of the run in `run_dir`, with resumable keys (field metadata: execution, output,
-    data.data_root, train.rounds to extend a run) overridden; any other change is refused. `overrides` are
-    sectioned (`{"output": {"progress": False}}`; the command line's have been through the flat-key shim)."""
-    from raysim.config import merge_config
-
-    run_dir = Path(run_dir).expanduser()
-    if not (run_dir / "config.yaml").is_file():
-        raise ConfigError(f"output.resume={run_dir}: no config.yaml there; pass the out_dir of an earlier run")
-    saved_cfg = build_config(load_yaml(run_dir / "config.yaml"))  # a flat config.yaml of the previous release moves too
-    saved, allowed = flat_config(saved_cfg), saved_cfg.resumable_keys()
-    overrides = dict(overrides or {})
-    changed = {k: v for k, v in flatten(overrides).items() if saved.get(k) != v}
-    bad = sorted(k for k in changed if k not in allowed)
-    if bad:
-        raise ConfigError(
-            f"resume: {', '.join(bad)} would change the results of the run being resumed; "
-            f"only these keys may change: {', '.join(sorted(allowed))}"
-        )
-    cfg = build_config(merge_config(saved_cfg.to_dict(), overrides))
-    cfg.output.resume = cfg.output.out_dir = str(run_dir)
-    return cfg
+    data.data_root, train.rounds to extend a run) overridden; any other change is refused."""
+    return RunFolder(run_dir).resume_config(overrides)
 
 
 def resolve_out_dir(cfg: RunConfig) -> tuple[Path, int]:
     """Where the run writes and the last completed round; never overwrites an existing run."""
     if cfg.output.resume:
-        run_dir = Path(cfg.output.resume).expanduser()
-        saved = flat_config(resume_config(run_dir))
+        folder = RunFolder(cfg.output.resume)
+        saved = flat_config(folder.resume_config())
         allowed = cfg.resumable_keys()
         for k, v in flat_config(cfg).items():
             if k not in allowed and saved.get(k) != v:
                 raise ConfigError(f"resume: {k}={v!r} differs from the resumed run's {saved.get(k)!r}")
-        cfg.output.out_dir = str(run_dir)
-        return run_dir, StateStore(run_dir).completed_round()
-    out = Path(cfg.output.out_dir or f"runs/{cfg.method}-{cfg.data.dataset}-{datetime.now():%Y%m%d-%H%M%S}").expanduser()
-    if out.exists() and any(p.name != LOCK_NAME for p in out.iterdir()):
-        holder = RunLock(out).holder()
-        if holder is not None:
-            raise RunFolderLocked(
-                f"out_dir {out} is being written by a run that is still going ({RunLock.describe(holder)}); choose another out_dir"
-            )
-        raise ConfigError(
-            f"out_dir {out} already holds files; pass output.resume={out} to continue that run, or choose another out_dir"
-        )
-    cfg.output.out_dir = str(out)
-    return out, -1
+        cfg.output.out_dir = str(folder.path)
+        return folder.path, folder.completed_round()
+    folder = RunFolder(cfg.output.out_dir or f"runs/{cfg.method}-{cfg.data.dataset}-{datetime.now():%Y%m%d-%H%M%S}")
+    folder.refuse_if_taken()
+    cfg.output.out_dir = str(folder.path)
+    return folder.path, -1
 
 
 def run(cfg: RunConfig, *, on_round: Optional[Callable[[dict[str, Any]], None]] = None) -> RunResult:

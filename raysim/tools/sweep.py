@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 
 from raysim.config import (
     RunConfig,
-    get_dotted,
     load_yaml,
     merge_config,
     move_flat_key,
@@ -50,6 +49,7 @@ from raysim.config import (
 from raysim.config.checks import build_config
 from raysim.engine.cluster import init_ray, plan_hosts
 from raysim.errors import ConfigError
+from raysim.tools.sweep_report import _yaml_value, markdown_table, plot_paths, trials_table, write_outputs, write_plots  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +85,6 @@ def _number(v: Any, what: str) -> float:
         return float(v)
     except (TypeError, ValueError):
         raise ConfigError(f"{what} must be a number, got {v!r}") from None
-
-
-def _yaml_value(v: Any) -> Any:
-    """'inf' / '.inf' in a sweep file mean infinity, as in config files."""
-    if isinstance(v, str) and v.strip().lower() in ("inf", "+inf", ".inf", "infinity"):
-        return math.inf
-    return v
 
 
 def validate_sweep(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -510,136 +503,6 @@ def _tuner(spec: Mapping[str, Any], base: dict[str, Any], base_cfg: RunConfig, s
             failure_config=tune.FailureConfig(max_failures=0),
         ),
     )
-
-
-def trials_table(grid, spec: Mapping[str, Any]) -> "pandas.DataFrame":
-    """One row per trial: swept values, final In / Cross / HM (summary.md's), epsilon spent, wall time."""
-    import pandas as pd
-
-    from raysim.metrics import summarize
-
-    keys = list(spec["space"])
-    rows = []
-    for result in grid:
-        cfg_flat = result.config or {}
-        m = result.metrics or {}
-        trial_dir = Path(result.path)
-        run_dir = trial_dir / "run"
-        row: dict[str, Any] = {"trial": trial_dir.name}
-        for k in keys:
-            row[k] = cfg_flat.get(k, math.nan)
-        summary = {"in_client": m.get("summary_in_client", math.nan), "cross_client": m.get("summary_cross_client", math.nan),
-                   "hm": m.get("summary_hm", math.nan)}
-        rounds_done = int(m.get("round", -1)) + 1
-        if (run_dir / "results.csv").is_file():  # the run's own files are the reference when readable here
-            import yaml
-
-            run_cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
-            try:
-                last = (run_cfg.get("eval") or {}).get("last", run_cfg.get("eval_last", 5))
-                summary = summarize(run_dir / "results.csv", last=max(1, int(last)))
-                rounds_done = len(pd.read_csv(run_dir / "results.csv"))
-            except Exception:  # noqa: BLE001 - an empty results.csv of a trial that failed in round 0
-                pass
-        row.update({k: summary.get(k, math.nan) for k in ("in_client", "cross_client", "hm")})
-        dp_eps = get_dotted(merge_config(spec["base"], unflatten(cfg_flat)), "dp.epsilon", math.inf)
-        eps = m.get("epsilon_spent", math.nan)
-        row["epsilon_spent"] = math.inf if not math.isfinite(_yaml_float(dp_eps)) else eps
-        row["rounds_done"] = rounds_done
-        row["wall_s"] = float(m.get("time_total_s", math.nan))
-        rounds = get_dotted(merge_config(spec["base"], unflatten(cfg_flat)), "train.rounds", 10)
-        row["status"] = "error" if result.error else ("completed" if rounds_done >= int(rounds) else "stopped")
-        row["out_dir"] = str(run_dir)
-        rows.append(row)
-    df = pd.DataFrame(rows, columns=["trial", *keys, "in_client", "cross_client", "hm", "epsilon_spent", "rounds_done",
-                                     "wall_s", "status", "out_dir"])
-    return df.sort_values(by=keys + ["trial"], kind="stable", ignore_index=True) if len(df) else df
-
-
-def _yaml_float(v: Any) -> float:
-    try:
-        return float(_yaml_value(v))
-    except (TypeError, ValueError):
-        return math.nan
-
-
-def _fmt_cell(v: Any, pct: bool = False) -> str:
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "-"
-        if math.isinf(v):
-            return "inf"
-        return f"{100 * v:.2f}" if pct else f"{v:.4g}"
-    return str(v)
-
-
-def markdown_table(df, spec: Mapping[str, Any]) -> str:
-    keys = list(spec["space"])
-    cols = ["trial", *keys, "in_client", "cross_client", "hm", "epsilon_spent", "rounds_done", "wall_s", "status"]
-    heads = ["Trial", *keys, "In-Client", "Cross-Client", "HM", "epsilon spent", "rounds", "wall (s)", "status"]
-    lines = [f"### Sweep {spec['name']}", ""]
-    if spec.get("description"):
-        lines += [str(spec["description"]).strip(), ""]
-    lines += ["| " + " | ".join(heads) + " |", "|" + "|".join("---" if c in ("trial", "status") else "---:" for c in cols) + "|"]
-    for _, r in df.iterrows():
-        lines.append("| " + " | ".join(_fmt_cell(r[c], pct=c in ("in_client", "cross_client", "hm")) for c in cols) + " |")
-    lines += ["", "Accuracies in %: mean of each trial's last evaluated rounds (as in its summary.md). "
-              "epsilon spent: max over clients (inf = no DP)."]
-    return "\n".join(lines) + "\n"
-
-
-def plot_paths(exp_dir: Path, keys: Sequence[str]) -> dict[str, Path]:
-    return {k: exp_dir / f"hm_vs_{k.replace('.', '_')}.png" for k in keys}
-
-
-def write_plots(df, spec: Mapping[str, Any], exp_dir: Path) -> list[Path]:
-    """HM (%) against each swept key; one line per combination of the other swept keys."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    keys = list(spec["space"])
-    written = []
-    for key, path in plot_paths(exp_dir, keys).items():
-        others = [k for k in keys if k != key]
-        fig, ax = plt.subplots(figsize=(5.5, 3.8))
-        vals = df[key].tolist()
-        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals)
-        uniq = sorted(set(vals), key=lambda v: (float(v) if numeric else str(v)))
-        categorical = not numeric or any(math.isinf(float(v)) for v in uniq) or len(uniq) <= 8
-        pos = {v: i for i, v in enumerate(uniq)}
-        groups = df.groupby(others, dropna=False, sort=True) if others else [((), df)]
-        for gkey, g in groups:
-            order = pos  # bound now: the key function runs inside this iteration only
-            g = g.sort_values(by=key, key=lambda s, order=order: s.map(order.__getitem__) if categorical else s)
-            x = [pos[v] for v in g[key]] if categorical else g[key].astype(float)
-            gkey = gkey if isinstance(gkey, tuple) else (gkey,)
-            label = ", ".join(f"{k}={_fmt_cell(v)}" for k, v in zip(others, gkey)) or None
-            ax.plot(x, 100 * g["hm"].astype(float), marker="o", label=label)
-        if categorical:
-            ax.set_xticks(range(len(uniq)), [_fmt_cell(float(v)) if numeric else str(v) for v in uniq])
-        elif min(float(v) for v in uniq) > 0 and spec["space"][key].get("loguniform"):
-            ax.set_xscale("log")
-        ax.set_xlabel(key)
-        ax.set_ylabel("HM (%)")
-        ax.set_title(f"{spec['name']}: HM vs {key}")
-        ax.grid(alpha=0.3)
-        if others and len(ax.get_lines()) <= 10:
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
-    return written
-
-
-def write_outputs(df, spec: Mapping[str, Any], exp_dir: Path) -> None:
-    exp_dir.mkdir(parents=True, exist_ok=True)
-    df.to_csv(exp_dir / "trials.csv", index=False)
-    (exp_dir / "trials.md").write_text(markdown_table(df, spec))
-    if len(df):
-        write_plots(df, spec, exp_dir)
 
 
 def run_sweep_file(path: str | Path, overrides: Sequence[str] = ()) -> int:

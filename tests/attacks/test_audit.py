@@ -14,7 +14,8 @@ from conftest import tiny_config
 from raysim.attacks.fsh import FSHConfig, attacked_classes, frechet_distance, fsh_metrics, hijack
 from raysim.attacks.prototype_mia import roc_metrics
 from raysim.engine.loop import run
-from raysim.tools.audit import GIABudget, RunView, audit_folder, audit_run, clients_then_rounds, main, per_round_means
+from raysim.storage.runfolder import RunFolder as RunView
+from raysim.tools.audit import GIABudget, audit_folder, audit_run, clients_then_rounds, main, per_round_means
 
 ROOT = Path(__file__).resolve().parents[2]
 

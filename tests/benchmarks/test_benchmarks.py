@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from raysim.config.checks import make_method
-from raysim.engine.hosts import broadcast_state
+from raysim.methods.base import broadcast_state
 from raysim.models.clip import ModelSpec, build_clip_env
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"

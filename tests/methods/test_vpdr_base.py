@@ -208,8 +208,8 @@ def test_round_order_is_spec_3_4_release_aggregate_then_train(tmp_path, cache_di
 
     from raysim.config.checks import make_method
     from raysim.engine.backends import InlineBackend
-    from raysim.engine.hosts import initial_private
     from raysim.engine.loop import prepare_data
+    from raysim.methods.base import initial_private
     from raysim.methods.families.prototype import aggregate_prototypes, stack_uploads
     from raysim.methods.families.vpdr import VPDRMethod
 
@@ -261,8 +261,8 @@ def test_the_audit_attacks_each_release_with_the_model_that_made_it(tmp_path, ca
     client entered round r with (round 0: its initial model), not its checkpoint after round r's training:
     with privacy=none the recorded release is exactly that model's class means."""
     from raysim.engine.loop import run
+    from raysim.storage.runfolder import RunFolder as RunView
     from raysim.storage.store import StateStore
-    from raysim.tools.audit import RunView
 
     v = values(tmp_path, cache_dir, "none", backbone=backbone, rounds=2)
     v["output"]["record_uploads"] = True

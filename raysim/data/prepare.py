@@ -1,0 +1,111 @@
+"""The federation a run trains on: its dataset loaded, partitioned over the clients, and (for CLIP
+methods) its frozen image features computed or read from the cache. The engine, the run folder's
+reader (raysim.storage.runfolder) and the attacks all rebuild a run's data through `prepare_data`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+
+from raysim.config import RunConfig
+from raysim.data.federation import FederationData
+from raysim.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationData:
+    """Load the dataset, partition it, and (for CLIP methods) compute or load frozen image features;
+    `needs` is the method's declared `Needs` (input kind and size, image tokens)."""
+    from raysim.data import DATASETS, LoadSpec, PartitionSpec, partition
+    from raysim.data.features import cached_image_features
+    from raysim.data.partition import is_pooled
+    from raysim.models.clip import ModelSpec, load_clip, register_builtin_configs, resolve_device
+
+    register_builtin_configs()
+    import open_clip
+
+    if cfg.model.name not in open_clip.list_models():
+        load_clip(ModelSpec(cfg.model.name, cfg.model.pretrained, cache_dir=cfg.output.cache_dir))  # raises the helpful ConfigError
+    model_cfg = open_clip.get_model_config(cfg.model.name) or {}
+    size = (model_cfg.get("vision_cfg") or {}).get("image_size", 224)
+    size = int(size[0] if isinstance(size, (list, tuple)) else size)
+    if needs.input == "images" and needs.image_size:
+        size = needs.image_size  # methods that train their own image models pick their input size
+    spec = LoadSpec(data_root=cfg.data.data_root, image_size=size, download=cfg.data.download, seed=cfg.train.seed,
+                    cache_dir=cfg.output.cache_dir)
+    bundle = DATASETS.get(cfg.data.dataset)(spec)
+    pspec = PartitionSpec(
+        train_labels=bundle.train.labels,
+        test_labels=bundle.test.labels,
+        num_clients=cfg.train.num_clients,
+        seed=cfg.train.seed,
+        beta=cfg.data.beta,
+        shots=cfg.data.shots,
+        min_samples=cfg.data.min_samples,
+        train_domains=bundle.train.domains,
+        test_domains=bundle.test.domains,
+    )
+    splits = partition(cfg.data.partition, pspec)
+    ttr = tte = None
+    if needs.input == "features":
+        tokens = needs.tokens
+        xtr, xte, *toks = cached_image_features(
+            bundle, model_spec=ModelSpec(cfg.model.name, cfg.model.pretrained, cache_dir=cfg.output.cache_dir), image_size=size,
+            cache_dir=cfg.output.cache_dir,
+            device=resolve_device(cfg.execution.device), progress=progress, tokens=tokens,
+        )
+        if tokens:
+            ttr, tte = toks
+            if ttr.shape[1] < 2:
+                raise ConfigError(
+                    f"{cfg.model.name}'s image tower yields {ttr.shape[1]} token per image at {size} px (a 1x1 feature map), "
+                    "so attending over (or transporting between) tokens degenerates to the pooled feature; use a ViT image tower "
+                    "(e.g. model=raysim-tiny, or a ViT checkpoint from `raysim pretrain --vision vit`) or the method's pooled "
+                    "mode (fedsept.router=pooled, fedotp.tokens=pooled)"
+                )
+    else:
+        xtr, xte = materialize_images(bundle.train.images), materialize_images(bundle.test.images)
+    x_train, x_test = xtr.numpy(), xte.numpy()  # features (N, D) or images (N, 3, S, S)
+    y_train, y_test = bundle.train.labels.astype(np.int64), bundle.test.labels.astype(np.int64)
+    tok_train = None if ttr is None else ttr.numpy()  # (N, K, width) float16, only when asked for
+    tok_test = None if tte is None else tte.numpy()
+    if is_pooled(cfg.data.partition):  # the split's indices point into train + test merged (partition=pfllib)
+        x_train = x_test = np.concatenate([x_train, x_test])
+        y_train = y_test = np.concatenate([y_train, y_test])
+        if tok_train is not None and tok_test is not None:
+            tok_train = tok_test = np.concatenate([tok_train, tok_test])
+    return FederationData(
+        x_train=x_train,
+        y_train=y_train,
+        x_test=x_test,
+        y_test=y_test,
+        train_idx=[s.train for s in splits],
+        test_idx=[s.test for s in splits],
+        classnames=list(bundle.classnames),
+        tok_train=tok_train,
+        tok_test=tok_test,
+        client_domains=client_domains(bundle, splits),
+    )
+
+
+def client_domains(bundle: Any, splits: list[Any]) -> Optional[list[str]]:
+    """Each client's domain name (the most common among its training images), or None without domains."""
+    doms = bundle.train.domains
+    if doms is None or not bundle.domain_names:
+        return None
+    out = []
+    for s in splits:
+        d = doms[s.train] if len(s.train) else doms[:0]
+        out.append(bundle.domain_names[int(np.bincount(d).argmax())] if len(d) else "")
+    return out
+
+
+def materialize_images(images) -> "torch.Tensor":
+    """All images of a (small) dataset as one float tensor, for methods that train image models."""
+    import torch
+
+    loader = torch.utils.data.DataLoader(images, batch_size=512, shuffle=False)
+    return torch.cat([b[0] if isinstance(b, (list, tuple)) else b for b in loader])
