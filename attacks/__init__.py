@@ -5,23 +5,14 @@ attacks/base.py for what an attack is); `discover()` imports them all, so a new 
 plus its test: nothing here lists them by hand. `raysim audit` walks the registry.
 """
 
-import importlib
-import pkgutil
-
 from raysim.attacks.base import ATTACKS, Attack, AttackOutput, Release, ReleaseAttack, register_attack
 from raysim.attacks.prototype_mia import MIAResult, membership_scores, prototype_mia, roc_metrics
-
-_DISCOVERED = False
+from raysim.registry import import_all
 
 
 def discover() -> None:
     """Import every module of the package once, so each registers its attacks."""
-    global _DISCOVERED
-    if _DISCOVERED:
-        return
-    _DISCOVERED = True
-    for info in pkgutil.iter_modules(__path__, prefix=__name__ + "."):
-        importlib.import_module(info.name)
+    import_all(__path__, __name__)
 
 
 def attacks() -> list[Attack]:

@@ -4,9 +4,6 @@ Every module under this package that defines a method registers its class on imp
 `discover()` imports them all, so a new method is one new file: nothing here lists them by hand.
 """
 
-import importlib
-import pkgutil
-
 from raysim.methods.base import (
     METHODS,
     ClientData,
@@ -18,18 +15,12 @@ from raysim.methods.base import (
     Upload,
     register_method,
 )
-
-_DISCOVERED = False
+from raysim.registry import import_all
 
 
 def discover() -> None:
     """Import every module of the method packages once, so each registers its methods."""
-    global _DISCOVERED
-    if _DISCOVERED:
-        return
-    _DISCOVERED = True
-    for info in pkgutil.walk_packages(__path__, prefix=__name__ + "."):
-        importlib.import_module(info.name)
+    import_all(__path__, __name__, recursive=True)
 
 
 def get_method(name: str) -> type[Method]:

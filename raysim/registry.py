@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import difflib
-from typing import Callable, Generic, Iterator, TypeVar
+import importlib
+import pkgutil
+from typing import Callable, Generic, Iterable, Iterator, TypeVar
 
 from raysim.errors import ConfigError
 
@@ -53,3 +55,19 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         return sorted(self._items)
+
+
+_IMPORTED: dict[str, list[str]] = {}
+
+
+def import_all(path: Iterable[str], prefix: str, *, recursive: bool = False, skip: tuple[str, ...] = ()) -> list[str]:
+    """Import every module of a plug-in package once (`import_all(__path__, __name__)` in its __init__), so
+    each module's decorators register what it defines; returns the modules' names. A new plug-in is then one
+    new file: nothing lists the modules by hand. `skip`: module names (without the prefix) that register nothing."""
+    if prefix not in _IMPORTED:
+        walk = pkgutil.walk_packages if recursive else pkgutil.iter_modules
+        names = [info.name for info in walk(list(path), prefix=prefix + ".") if info.name.rpartition(".")[2] not in skip]
+        _IMPORTED[prefix] = names  # before importing: a module that imports its package back sees the walk as done
+        for name in names:
+            importlib.import_module(name)
+    return _IMPORTED[prefix]

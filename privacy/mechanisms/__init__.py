@@ -26,8 +26,7 @@ so every ledger entry composes through the same accountant (one epsilon conversi
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
+from raysim.registry import import_all
 
 from .base import (  # noqa: F401 (the package's names)
     KINDS,
@@ -58,13 +57,7 @@ from .base import (  # noqa: F401 (the package's names)
 # ------------------------------------------------------------------------------------- discovery
 def discover() -> list[str]:
     """Import every module of this package (each registers its mechanisms); returns their names."""
-    names = []
-    for info in pkgutil.iter_modules(__path__, prefix=__name__ + "."):
-        if info.name.endswith(".base"):
-            continue
-        importlib.import_module(info.name)
-        names.append(info.name)
-    return names
+    return import_all(__path__, __name__, skip=("base",))
 
 
 MODULES = discover()

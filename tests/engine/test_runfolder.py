@@ -55,11 +55,11 @@ def test_a_folder_that_is_not_a_run_is_refused(tmp_path):
 
 
 def test_resume_config_goes_through_the_run_folder_unchanged(finished):
-    via_loop, via_folder = resume_config(finished, {"rounds": 3}), RunFolder(finished).resume_config({"rounds": 3})
+    via_loop, via_folder = resume_config(finished, {"train": {"rounds": 3}}), RunFolder(finished).resume_config({"train": {"rounds": 3}})
     assert via_loop.to_dict() == via_folder.to_dict()
     assert via_loop.train.rounds == 3 and via_loop.output.resume == via_loop.output.out_dir == str(finished)
     with pytest.raises(ConfigError, match="resume: train.lr would change the results of the run being resumed"):
-        resume_config(finished, {"lr": 0.5})
+        resume_config(finished, {"train": {"lr": 0.5}})
     # a new run may not take the folder: it holds files
     with pytest.raises(ConfigError, match="already holds files; pass output.resume="):
         RunFolder(finished).refuse_if_taken()
@@ -84,7 +84,7 @@ def test_the_audit_finds_every_attack_module_through_the_registry():
 
 def test_attacks_apply_by_the_methods_declared_hooks(finished):
     from raysim.attacks import attacks
-    from raysim.config import build_config
+    from raysim.config.checks import build_config
 
     prompt = RunFolder(finished)  # PromptFL: a prompt upload that declares loss_parts
     assert {a.name for a in attacks() if a.applies(prompt, prompt.method)} == {"update_mia", "gradient_inversion"}
