@@ -5,7 +5,7 @@ with the table built from the registries, so `mkdocs build --strict` always show
 The generators read only names that stay put while modules move (issue #23's target layout):
 `raysim.methods.METHODS`, `raysim.privacy.mechanisms.MECHANISMS`, `raysim.data.DATASETS / PARTITIONERS`,
 the config `SECTIONS` (`raysim.config.schema`, else `raysim.config`) and the evaluation `PROTOCOLS`
-(`raysim.engine.evaluation`, else `raysim.evaluation`). The functions are plain (no MkDocs import), so
+(`raysim.protocols`, else `raysim.engine.evaluation`). The functions are plain (no MkDocs import), so
 tests/test_docs.py calls them directly.
 """
 
@@ -42,7 +42,7 @@ def sections() -> dict[str, type]:
 
 
 def protocols() -> Any:
-    return _import_first(("raysim.engine.evaluation", "PROTOCOLS"), ("raysim.evaluation", "PROTOCOLS"))
+    return _import_first(("raysim.protocols", "PROTOCOLS"), ("raysim.engine.evaluation", "PROTOCOLS"))
 
 
 def _cell(value: Any) -> str:
