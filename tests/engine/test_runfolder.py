@@ -71,14 +71,15 @@ def test_the_audit_finds_every_attack_module_through_the_registry():
 
     found = attacks()  # what the audit walks
     modules = {info.name for info in pkgutil.iter_modules(attacks_pkg.__path__)} - {"base"}
-    assert modules == {"fsh", "gradient_inversion", "prototype_mia", "update_mia"}
+    shipped = {"fsh", "gradient_inversion", "prototype_mia", "update_mia"}
+    assert modules >= shipped  # a new attack module joins without this test changing
     registered = {type(a).__module__.rsplit(".", 1)[-1] for a in found}
     assert registered == modules  # every attack module registers its attack; nothing is listed by hand
-    assert sorted(a.name for a in found) == ATTACKS.names() == ["fsh", "gradient_inversion", "prototype_mia", "update_mia"]
+    assert sorted(a.name for a in found) == ATTACKS.names() and shipped <= set(ATTACKS.names())
     for name in modules:
         mod = importlib.import_module(f"raysim.attacks.{name}")
         assert "raysim.engine" not in {getattr(v, "__module__", "") for v in vars(mod).values()}
-    families = {a.name: a.family for a in found}
+    families = {a.name: a.family for a in found if a.name in shipped}
     assert families == {"fsh": "prototype", "prototype_mia": "prototype", "update_mia": "update", "gradient_inversion": "update"}
 
 
