@@ -58,7 +58,7 @@ def _paper_files() -> list[Path]:
 def _run(code: str) -> dict:
     """Run `code` in a fresh interpreter; it prints one JSON object last."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
