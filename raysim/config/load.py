@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import types
 import typing
 from pathlib import Path
@@ -54,19 +55,21 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ConfigError(f"{key} must be an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
         try:
             f = float(value)
-        except ValueError:
-            raise ConfigError(f"{key} must be an integer, got {value!r}") from None
+        except (ValueError, OverflowError):
+            raise ConfigError(f"{key} must be an integer, got {str(value)[:40]!r}") from None
         if not f.is_integer():
-            raise ConfigError(f"{key} must be an integer, got {value!r}")
+            raise ConfigError(f"{key} must be an integer, got {str(value)[:40]!r}")
         return int(f)
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"{key} must be a number, got {value!r}")
         try:
             return float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"{key} must be a number (use inf for infinity), got {value!r}") from None
     if tp is str:
         if isinstance(value, (dict, list)):
@@ -160,6 +163,8 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             value = yaml.safe_load(raw) if raw.strip() != "" else ""
         except yaml.YAMLError:
             value = raw
+        except (ValueError, RecursionError) as e:  # an integer of thousands of digits, a deeply nested value
+            raise ConfigError(f"{key}: the value ({len(raw)} characters) cannot be read ({str(e)[:120]}); give a value of sensible size") from None
         set_dotted(out, key, value)
     return out
 
@@ -174,14 +179,28 @@ def deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, A
     return out
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
+MAX_CONFIG_BYTES = 16 << 20  # a config file (or a run's config.yaml) is at most 16 MiB
+
+
+def load_yaml(path: str | Path, *, root: str | Path | None = None) -> dict[str, Any]:
+    """A YAML mapping from a file: a regular UTF-8 file of at most MAX_CONFIG_BYTES (inside `root`, a run
+    folder, when given). Anything else is a ConfigError naming the file."""
+    from raysim.safeio import read_regular
+
     p = Path(path).expanduser()
-    if not p.is_file():
+    if not os.path.lexists(p):
         raise ConfigError(f"config file {str(p)!r} does not exist")
+    raw = read_regular(p, root=root, max_bytes=MAX_CONFIG_BYTES, error=ConfigError, what=f"config file {str(p)!r}")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {e.start} is {raw[e.start]:#04x}); save it as UTF-8") from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+    except (ValueError, RecursionError) as e:  # e.g. an integer of thousands of digits, a deeply nested document
+        raise ConfigError(f"config file {str(p)!r} holds a value raysim cannot read ({str(e)[:120]})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r} must hold a mapping of keys to values")
     return data

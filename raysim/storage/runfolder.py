@@ -16,6 +16,7 @@ The engine writes through the same folder layout (StateStore); nothing here impo
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -67,7 +68,7 @@ class RunFolder:
 
     # -- config ------------------------------------------------------------------------------------
     def is_run(self) -> bool:
-        return (self.path / CONFIG).is_file()
+        return os.path.lexists(self.path / CONFIG)  # a link or device there is refused when it is read
 
     @property
     def cfg(self) -> Any:
@@ -78,7 +79,7 @@ class RunFolder:
 
             if not self.is_run():
                 raise ConfigError(f"{self.path} holds no config.yaml; pass the out_dir of a run")
-            self._cfg = build_config(load_yaml(self.path / CONFIG))
+            self._cfg = build_config(load_yaml(self.path / CONFIG, root=self.path))
         return self._cfg
 
     def write_config(self, cfg: Any) -> None:
@@ -144,7 +145,7 @@ class RunFolder:
         from raysim.safeio import load_checked
 
         path = self.store.root / "clients" / str(cid) / f"{round_idx:05d}.pt"
-        return load_checked(path) if path.is_file() else None
+        return load_checked(path, root=self.path) if os.path.lexists(path) else None
 
     def latest_client_state(self, cid: int) -> Optional[dict]:
         """The client's checkpoint of the last completed round it changed in (None: it never took part)."""
@@ -205,8 +206,14 @@ class RunFolder:
         """The run's summary over its last eval.last evaluated rounds (results.csv; {} without one)."""
         from raysim.metrics import summarize
 
+        import io
+
+        from raysim.safeio import read_regular
+
         path = self.path / RESULTS
-        return summarize(path, last=max(1, self.cfg.eval.last)) if path.is_file() else {}
+        if not os.path.lexists(path):
+            return {}
+        return summarize(io.BytesIO(read_regular(path, root=self.path)), last=max(1, self.cfg.eval.last))  # type: ignore[arg-type]
 
     # -- the run rebuilt: method, data, client environment ------------------------------------------------
     @property
