@@ -94,10 +94,12 @@ def _build_dataclass(cls: type, values: Mapping[str, Any], prefix: str = "") -> 
         if key not in names:
             import difflib
 
-            hint = difflib.get_close_matches(key, names, n=1)
+            if not names:
+                raise ConfigError(f"unknown config key '{prefix}{key}': {prefix.rstrip('.') or 'this section'} takes no keys; remove it")
+            hint = difflib.get_close_matches(str(key), names, n=1)
             extra = f" Did you mean {prefix}{hint[0]}?" if hint else ""
             raise ConfigError(
-                f"unknown config key {prefix}{key!r}.{extra} Valid keys: {', '.join(prefix + n for n in sorted(names))}."
+                f"unknown config key '{prefix}{key}'.{extra} Valid keys: {', '.join(prefix + n for n in sorted(names))}."
             )
         if dataclasses.is_dataclass(hints[key]):
             if not isinstance(value, Mapping):
@@ -240,9 +242,30 @@ def merge_config(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str,
     return deep_merge(base, extra)
 
 
+def expand_dotted_keys(values: Mapping[str, Any]) -> dict[str, Any]:
+    """`{"data.dataset": "digits"}` (a dotted key written in a YAML mapping) as `{"data": {"dataset": "digits"}}`."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(key, str) and "." in key:
+            out = deep_merge(out, unflatten({key: value}))
+        else:
+            out = deep_merge(out, {key: value})
+    return out
+
+
+def check_sections(values: Mapping[str, Any], where: str) -> None:
+    """A section given as a scalar (`train: 5`) is refused: merged with other input it would be dropped silently."""
+    for key, value in values.items():
+        if key in SECTIONS and key != "model" and value is not None and not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: {key} is a section, not a value (got {str(value)[:40]!r}); write its keys under it, "
+                              f"e.g. {key}:\n  NAME: VALUE, or {key}.NAME=VALUE on the command line")
+
+
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """A run config file (YAML), its old keys moved into their sections."""
-    return move_flat_keys(load_yaml(path))
+    values = load_yaml(path)
+    check_sections(values, f"config file {str(path)!r}")
+    return move_flat_keys(expand_dotted_keys(values))
 
 
 def parse_user_overrides(items: list[str]) -> dict[str, Any]:

@@ -27,6 +27,27 @@ CONFIG = "config.yaml"
 RESULTS = "results.csv"
 
 
+def check_writable_folder(path: Path, key: str) -> None:
+    """Refuse, in one line naming the path and what to do, a folder that cannot be made or written: a name
+    too long, an existing file, a file on the way, a read-only or forbidden parent."""
+    limit = os.pathconf("/", "PC_NAME_MAX") if hasattr(os, "pathconf") else 255
+    long = next((part for part in path.parts if len(os.fsencode(part)) > limit), None)
+    if long is not None or len(os.fsencode(str(path.absolute()))) > 4000:
+        what = f"a name of {len(os.fsencode(long))} bytes (at most {limit})" if long is not None else "a path over 4,000 bytes"
+        raise ConfigError(f"{key}={str(path)[:80]}... has {what}; choose a shorter output.out_dir")
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{key}={path} is an existing file, not a folder; choose another output.out_dir")
+    d = path
+    while not d.exists():
+        if d.parent == d:
+            break
+        d = d.parent
+    if d != path and not d.is_dir():
+        raise ConfigError(f"{key}={path} lies under {d}, which is a file; choose another output.out_dir")
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={path}: {d} cannot be written (read-only or permission denied); choose another output.out_dir")
+
+
 def flat(cfg: Any) -> dict[str, Any]:
     """A config as one level of `key` / `section.key` entries."""
     from raysim.config import flatten
@@ -118,6 +139,7 @@ class RunFolder:
     def refuse_if_taken(self) -> None:
         """A new run may write here only when the folder is empty (or holds only a stale lock file)."""
         out = self.path
+        check_writable_folder(out, "output.out_dir")
         if out.exists() and any(p.name != LOCK_NAME for p in out.iterdir()):
             holder = RunLock(out).holder()
             if holder is not None:
@@ -206,14 +228,40 @@ class RunFolder:
         """The run's summary over its last eval.last evaluated rounds (results.csv; {} without one)."""
         from raysim.metrics import summarize
 
-        import io
-
-        from raysim.safeio import read_regular
-
         path = self.path / RESULTS
         if not os.path.lexists(path):
             return {}
-        return summarize(io.BytesIO(read_regular(path, root=self.path)), last=max(1, self.cfg.eval.last))  # type: ignore[arg-type]
+        return summarize(self.results(), last=max(1, self.cfg.eval.last))  # type: ignore[arg-type]
+
+    def results(self) -> Any:
+        """results.csv as a DataFrame of the completed rounds, checked against the run's record of them
+        (state/progress.json): a file cut short, or missing a completed round, is a DataError naming it."""
+        import io
+
+        import pandas as pd
+
+        from raysim.errors import DataError
+        from raysim.safeio import read_regular
+
+        path = self.path / RESULTS
+        raw = read_regular(path, root=self.path)
+        done = self.completed_round()
+        redo = f"resume the run (output.resume={self.path}) to rewrite it, or audit another run"
+        if raw and not raw.endswith(b"\n"):
+            raise DataError(f"{path} is truncated (its last line is cut short); {redo}")
+        try:
+            df = pd.read_csv(io.BytesIO(raw))
+            rounds = pd.to_numeric(df["round"], errors="raise").astype(int)
+        except Exception as e:  # not a CSV of rounds at all
+            raise DataError(f"{path} is not a results table ({type(e).__name__}: {str(e)[:120]}); {redo}") from None
+        missing = sorted(set(range(done + 1)) - set(rounds.tolist()))
+        if missing:
+            shown = ", ".join(str(r) for r in missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise DataError(
+                f"{path} is truncated: the run completed rounds 0 to {done} (state/progress.json) but it has no row for "
+                f"round(s) {shown}; {redo}"
+            )
+        return df[rounds <= done]
 
     # -- the run rebuilt: method, data, client environment ------------------------------------------------
     @property
