@@ -90,7 +90,10 @@ def running_local_cluster() -> str:
         return ""
 
 
-def init_ray(address: str = "", *, num_cpus: int | None = None, log_to_driver: bool = True) -> bool:
+LOOPBACK = "127.0.0.1"  # where a cluster raysim starts itself listens (docs/security.md)
+
+
+def init_ray(address: str = "", *, num_cpus: int | None = None, log_to_driver: bool = True, dashboard: bool = False) -> bool:
     """Join or start Ray. `address` "" joins the cluster `ray start --head` runs on this machine when one
     is up (or RAY_ADDRESS's, when set), else starts a local cluster with `num_cpus` (default: every core
     here); "local" (or an explicit `num_cpus`) always starts a new local cluster; "auto" or HOST:PORT joins
@@ -118,7 +121,11 @@ def init_ray(address: str = "", *, num_cpus: int | None = None, log_to_driver: b
                 log.warning("could not join the local Ray cluster at %s (%s); starting a new one", found, e)
         if not address or address == "local":
             system = dict(LOCAL_SYSTEM_CONFIG)  # a copy: Ray writes into the dict it gets
-            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), _system_config=system, **kwargs)
+            # private: every process of the cluster binds to loopback only (Ray's control plane runs code for
+            # whoever reaches it); the dashboard stays off unless execution.dashboard asks for it (on loopback too)
+            kwargs["include_dashboard"] = bool(dashboard)
+            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), _system_config=system,
+                     _node_ip_address=LOOPBACK, **kwargs)
             return True
         try:
             ray.init(address=address, **kwargs)
