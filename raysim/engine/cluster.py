@@ -91,6 +91,31 @@ def running_local_cluster() -> str:
 
 
 LOOPBACK = "127.0.0.1"  # where a cluster raysim starts itself listens (docs/security.md)
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray takes the node's address to be loopback
+
+
+@contextlib.contextmanager
+def _loopback_node() -> Iterator[None]:
+    """While a local cluster starts: Ray 2.60's ray.init turns a node address of 127.0.0.1 into the machine's
+    reachable address unless it is told the cluster is single-machine (its switch for that is the environment
+    variable LOCAL_ONLY_ENV, read into ray_constants.ENABLE_RAY_CLUSTER). Both are set for the start only; the
+    processes started meanwhile inherit the variable, so they too take loopback as the node's address."""
+    try:
+        from ray._private import ray_constants
+    except Exception:  # private Ray API: without it Ray picks the address itself
+        yield
+        return
+    old_env, old_flag = os.environ.get(LOCAL_ONLY_ENV), getattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    os.environ[LOCAL_ONLY_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = old_flag
+        if old_env is None:
+            os.environ.pop(LOCAL_ONLY_ENV, None)
+        else:
+            os.environ[LOCAL_ONLY_ENV] = old_env
 
 
 def init_ray(address: str = "", *, num_cpus: int | None = None, log_to_driver: bool = True, dashboard: bool = False) -> bool:
@@ -124,8 +149,9 @@ def init_ray(address: str = "", *, num_cpus: int | None = None, log_to_driver: b
             # private: every process of the cluster binds to loopback only (Ray's control plane runs code for
             # whoever reaches it); the dashboard stays off unless execution.dashboard asks for it (on loopback too)
             kwargs["include_dashboard"] = bool(dashboard)
-            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), _system_config=system,
-                     _node_ip_address=LOOPBACK, **kwargs)
+            with _loopback_node():
+                ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), _system_config=system,
+                         _node_ip_address=LOOPBACK, **kwargs)
             return True
         try:
             ray.init(address=address, **kwargs)
