@@ -14,7 +14,15 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import yaml
 
-from raysim.config.load import RENAMED, _build_dataclass, deep_merge, expand_dotted_keys, load_config_file, move_flat_keys, parse_user_overrides
+from raysim.config.load import (
+    RENAMED,
+    _build_dataclass,
+    deep_merge,
+    expand_dotted_keys,
+    load_config_file,
+    move_flat_keys,
+    parse_user_overrides,
+)
 from raysim.config.schema import (
     BACKEND_NAMES,
     KEEP_CLIENT_STATES,
@@ -71,7 +79,8 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> R
     """Build and validate a RunConfig from a (nested) mapping plus keyword overrides."""
     from raysim.methods import get_method, method_names
 
-    values = deep_merge(move_flat_keys(expand_dotted_keys(dict(values or {}))), move_flat_keys(overrides))  # user input: old keys moved once
+    # user input: dotted keys of a mapping expanded, old keys moved once
+    values = deep_merge(move_flat_keys(expand_dotted_keys(dict(values or {}))), move_flat_keys(overrides))
     plain: dict[str, Any] = {}
     sections: dict[str, Any] = {}
     run_fields = {f.name for f in dataclasses.fields(RunConfig)} - {"methods"}

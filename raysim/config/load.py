@@ -166,7 +166,8 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         except yaml.YAMLError:
             value = raw
         except (ValueError, RecursionError) as e:  # an integer of thousands of digits, a deeply nested value
-            raise ConfigError(f"{key}: the value ({len(raw)} characters) cannot be read ({str(e)[:120]}); give a value of sensible size") from None
+            raise ConfigError(f"{key}: the value ({len(raw)} characters) cannot be read ({str(e)[:120]}); "
+                              "give a value of sensible size") from None
         set_dotted(out, key, value)
     return out
 

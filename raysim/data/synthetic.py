@@ -412,7 +412,8 @@ def generate(
             try:
                 from raysim.safeio import read_regular, safe_load
 
-                blob = safe_load(read_regular(path, root=path.parent))  # a regular file, size-capped; plain data only (tensors, numpy arrays, strings): a cache file cannot run code
+                # a regular file, size-capped; plain data only (tensors, numpy arrays, strings): a cache file cannot run code
+                blob = safe_load(read_regular(path, root=path.parent))
                 return SyntheticSplit(**blob["train"]), SyntheticSplit(**blob["test"])
             except Exception:  # a corrupt or partial file: regenerate
                 pass

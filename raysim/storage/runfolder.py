@@ -231,7 +231,7 @@ class RunFolder:
         path = self.path / RESULTS
         if not os.path.lexists(path):
             return {}
-        return summarize(self.results(), last=max(1, self.cfg.eval.last))  # type: ignore[arg-type]
+        return summarize(self.results(), last=max(1, self.cfg.eval.last))
 
     def results(self) -> Any:
         """results.csv as a DataFrame of the completed rounds, checked against the run's record of them

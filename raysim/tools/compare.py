@@ -127,7 +127,8 @@ def spec_from_args(argv: Sequence[str]) -> tuple[CompareSpec, argparse.Namespace
     grid.update({move_flat_key(k): v for k, v in parse_grid(a.grid).items()})
     raw_setting = raw.get("setting") or {}
     if not isinstance(raw_setting, dict):
-        raise ConfigError(f"{a.spec}: setting is a mapping of config keys (setting: {{data: {{dataset: digits}}}}), got {str(raw_setting)[:40]!r}")
+        raise ConfigError(f"{a.spec}: setting is a mapping of config keys (setting: {{data: {{dataset: digits}}}}), "
+                          f"got {str(raw_setting)[:40]!r}")
     check_sections(raw_setting, f"{a.spec}: setting")
     setting = deep_merge(move_flat_keys(expand_dotted_keys(raw_setting)), parse_user_overrides(a.overrides))
     rounds_given = a.rounds or raw.get("rounds", 0)

@@ -113,7 +113,7 @@ def test_a_config_yaml_linked_to_dev_zero_is_refused_with_exit_2(folder):
     cfg.unlink()
     cfg.symlink_to("/dev/zero")
     with pytest.raises(ConfigError, match="outside"):
-        RunFolder(folder).cfg
+        _ = RunFolder(folder).cfg
     with pytest.raises(ConfigError, match="outside"):
         resume_config(folder)
     p = subprocess.run([sys.executable, str(ROOT / "raysim" / "run.py"), f"output.resume={folder}"],
