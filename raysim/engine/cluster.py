@@ -152,6 +152,9 @@ def init_ray(address: str = "", *, num_cpus: int | None = None, log_to_driver: b
             with _loopback_node():
                 ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), _system_config=system,
                          _node_ip_address=LOOPBACK, **kwargs)
+            from raysim.engine.reaper import start_reaper
+
+            start_reaper()  # the cluster's processes end with this driver, even on kill -9 (raysim/engine/reaper.py)
             return True
         try:
             ray.init(address=address, **kwargs)

@@ -65,3 +65,62 @@ def test_a_local_ray_run_listens_only_on_loopback_and_leaves_no_process(tmp_path
         time.sleep(1)
         left = [pid for pid in seen["pids"] if alive(pid)]
     assert left == [], {pid: names.get(pid) for pid in left}
+
+
+# a Ray-backend run on a new local cluster, slowed so that the test can kill its driver mid-run
+KILLED = """
+import sys, time
+from raysim.config.checks import build_config
+from raysim.engine.loop import run
+out, cache, resume = sys.argv[1], sys.argv[2], sys.argv[3]
+def slow(row):
+    time.sleep(3)
+cfg = build_config({"method": "promptfl", "data": {"dataset": "digits", "shots": 4},
+                    "model": {"name": "raysim-tiny", "pretrained": ""},
+                    "train": {"n_ctx": 4, "ctx_init": "", "num_clients": 2, "rounds": 3, "batch_size": 16},
+                    "execution": {"backend": "ray", "address": "local", "num_actors": 2, "client_cpus": 0.5},
+                    "output": {"progress": False, "tensorboard": False, "out_dir": out, "cache_dir": cache,
+                               "resume": resume}})
+run(cfg, on_round=slow)
+"""
+
+
+def test_kill_9_of_the_driver_leaves_no_process_and_the_run_resumes(tmp_path, cache_dir):
+    from sockets import descendants
+
+    out = tmp_path / "run"
+    driver = subprocess.Popen([sys.executable, "-c", KILLED, str(out), cache_dir, ""], env=ENV,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (out / "results.csv").is_file() or len((out / "results.csv").read_text().splitlines()) < 2:
+            assert driver.poll() is None, driver.stderr.read()[-3000:] if driver.stderr else ""
+            assert time.monotonic() < deadline, "round 0 never finished"
+            time.sleep(0.5)
+        time.sleep(2)  # the reaper records the tree every second: let it see the whole cluster
+        tree = {p: _cmd(p) for p in descendants(driver.pid) if p != driver.pid}
+        ray_procs = [p for p, cmd in tree.items() if "ray" in cmd and "raysim.engine.reaper" not in cmd]
+        assert any("raylet" in tree[p] for p in ray_procs) and any("ray::" in tree[p] for p in ray_procs)  # the cluster, seen
+        driver.kill()  # SIGKILL: no atexit, no ray.shutdown
+        driver.wait(timeout=60)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    deadline = time.monotonic() + 60  # the reaper: SIGTERM at once, SIGKILL 5 s later
+    left = [p for p in ray_procs if alive(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = [p for p in ray_procs if alive(p)]
+    assert left == [], {p: tree[p][:100] for p in left}
+    resumed = subprocess.run([sys.executable, "-c", KILLED, str(out), cache_dir, str(out)], env=ENV,
+                             capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rounds = [line.split(",")[0] for line in (out / "results.csv").read_text().splitlines()[1:]]
+    assert rounds == ["0", "1", "2"]
+
+
+def _cmd(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
