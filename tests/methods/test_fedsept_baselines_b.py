@@ -118,7 +118,7 @@ def test_pfedmoap_uploads_only_ctx_and_broadcasts_only_released_tensors(tmp_path
 def test_pfedmoap_first_participation_uses_local_logits_only(tmp_path, cache_dir):
     cfg, server, host = _hosts(tmp_path, cache_dir, "pfedmoap")
     m, env = host.method, host.env
-    priv = host._private(0)
+    priv = host.private_state(0)
     assert m.experts(env, server.get_shared(), priv) is None  # no own last ctx yet
     feats = host.data[0].x_test[:3]
     want = m.logits(env, feats, env.prompts.text_features(server.get_shared()["ctx"]))
@@ -151,7 +151,7 @@ def test_gram_schmidt_worked_example():
 def test_dpfpl_trains_all_parts_uploads_only_global_and_refactorises(tmp_path, cache_dir):
     cfg, server, host = _hosts(tmp_path, cache_dir, "dpfpl", dp={"epsilon": 2.0})
     assert host.method.rank(host.env) == 4  # rank 16 capped at n_ctx = 4
-    before = {k: v.clone() for k, v in host._private(0).items()}
+    before = {k: v.clone() for k, v in host.private_state(0).items()}
     uploads, _ = host.train(0, [0, 1], server.get_shared())
     assert all(set(u.tensors) == {"global_ctx"} for u in uploads)
     priv = host.private[0]
