@@ -25,7 +25,7 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_overrides_are_typed_and_nested():
-    o = parse_overrides(["rounds=5", "dp.epsilon=inf", "lr=1e-3", "method=promptfl", "progress=false"])
+    o = parse_overrides(["train.rounds=5", "dp.epsilon=inf", "train.lr=1e-3", "method=promptfl", "output.progress=false"])
     cfg = build_config(o)
     assert cfg.train.rounds == 5 and math.isinf(cfg.dp.epsilon) and cfg.train.lr == 1e-3 and cfg.output.progress is False
     assert not cfg.dp.enabled
@@ -35,7 +35,7 @@ def test_overrides_are_typed_and_nested():
 def test_yaml_file_plus_overrides(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("rounds: 7\nbeta: 0.1\ndp:\n  epsilon: 2\n")
-    cfg = config_from_cli(str(f), ["beta=0.3"])
+    cfg = config_from_cli(str(f), ["data.beta=0.3"])
     assert (cfg.train.rounds, cfg.data.beta, cfg.dp.epsilon) == (7, 0.3, 2.0)
     # the resolved config round-trips through its YAML
     from raysim.config.checks import config_from_yaml_text
@@ -59,7 +59,6 @@ def test_yaml_file_plus_overrides(tmp_path):
         ({"data": {"partition": "weird"}}, "pathological"),
         ({"train": {"rounds": "many"}}, "train.rounds must be an integer"),
         ({"execution": {"client_gpus": 2}}, "fraction"),
-        ({"rounds": -1}, "train.rounds must be >= 1"),  # a flat key of the previous release, moved
     ],
 )
 def test_bad_values_name_the_fix(overrides, message):
@@ -68,11 +67,34 @@ def test_bad_values_name_the_fix(overrides, message):
     assert message in str(e.value)
 
 
+def test_a_flat_key_of_the_previous_release_is_moved_then_checked(flat_keys_allowed):
+    with pytest.raises(ConfigError) as e:
+        build_config({"rounds": -1})
+    assert "train.rounds must be >= 1" in str(e.value)
+
+
+@pytest.mark.parametrize("values, old, new", [
+    ({"rounds": 3}, "rounds", "train.rounds"),
+    ({"model": "raysim-tiny"}, "model", "model.name"),
+    ({"dp": {"vpp_rho": 0.2}}, "dp.vpp_rho", "dp.vpp.rho"),
+])
+def test_under_raysim_flat_keys_error_an_old_key_is_refused_naming_the_new_one(monkeypatch, values, old, new):
+    monkeypatch.setenv("RAYSIM_FLAT_KEYS", "error")
+    with pytest.raises(ConfigError) as e:
+        build_config(values)
+    assert f"{old!r} is now {new!r}" in str(e.value)
+    with pytest.raises(ConfigError, match="is now 'train.rounds'"):
+        config_from_cli(None, ["rounds=2"])  # command-line overrides too
+    monkeypatch.setenv("RAYSIM_FLAT_KEYS", "sometimes")
+    with pytest.raises(ConfigError, match="RAYSIM_FLAT_KEYS='sometimes' is not one of warn, error"):
+        build_config({"train": {"rounds": 2}, **values})
+
+
 def test_cli_bad_input_exit_2_without_traceback(tmp_path):
     for args, needle in [
         (["method=nope"], "unknown method"),
-        (["rounds=-3"], "rounds must be >= 1"),
-        (["dataset=cifar10", f"data_root={tmp_path / 'nothing'}", "backend=inline"], "cifar-10-batches-py"),
+        (["train.rounds=-3"], "rounds must be >= 1"),
+        (["data.dataset=cifar10", f"data.data_root={tmp_path / 'nothing'}", "execution.backend=inline"], "cifar-10-batches-py"),
         (["notakeyvalue"], "key=value"),
     ]:
         p = cli(*args, cwd=tmp_path)
@@ -86,7 +108,7 @@ def test_cli_refuses_to_overwrite_and_keeps_files(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    p = cli(f"out_dir={out}", "backend=inline", cwd=tmp_path)
+    p = cli(f"output.out_dir={out}", "execution.backend=inline", cwd=tmp_path)
     assert p.returncode == 2 and "resume=" in p.stderr
     assert (out / "keep.txt").read_text() == "x" and len(list(out.iterdir())) == 1
 
@@ -174,7 +196,7 @@ def test_defaults_have_one_source_and_the_config_notes_state_them():
     assert checked > 30
 
 
-def test_flat_keys_of_the_previous_release_still_work_with_one_message(caplog):
+def test_flat_keys_of_the_previous_release_still_work_with_one_message(caplog, flat_keys_allowed):
     import logging
 
     from raysim.config import load as config_load
@@ -229,7 +251,7 @@ def test_schema_backend_names_are_the_engine_backends():
     assert sorted(BACKEND_NAMES) == sorted(BACKENDS)
 
 
-def test_old_vpp_keys_move_into_the_dp_vpp_section_with_one_message(caplog):
+def test_old_vpp_keys_move_into_the_dp_vpp_section_with_one_message(caplog, flat_keys_allowed):
     import logging
 
     from raysim.config import load as config_load

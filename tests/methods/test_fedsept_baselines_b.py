@@ -88,7 +88,7 @@ def _hosts(tmp_path, cache_dir, method, **extra):
     from raysim.engine.hosts import ClientHost, ServerHost
     from raysim.engine.loop import prepare_data
 
-    cfg = tiny_config(tmp_path, cache_dir, method=method, n_ctx=4, **extra)
+    cfg = tiny_config(tmp_path, cache_dir, method=method, train={"n_ctx": 4}, **extra)
     data = prepare_data(cfg, make_method(cfg).needs(), progress=False)
     out = str(tmp_path / "hosts")
     return cfg, ServerHost(cfg, data.classnames, out), ClientHost(cfg, data, list(range(cfg.train.num_clients)), out)
@@ -235,9 +235,9 @@ COLS = ["round", "in_client", "cross_client", "hm", "train_loss", "bytes_up", "b
 def test_end_to_end_identical_inline_and_on_ray(tmp_path, cache_dir, ray_session, method, epsilon):
     from raysim.engine.loop import run
 
-    opts = dict(method=method, n_ctx=4, rounds=2, dp={"epsilon": epsilon})
+    opts = dict(method=method, train={"n_ctx": 4, "rounds": 2}, dp={"epsilon": epsilon})
     a = run(tiny_config(tmp_path / "inline", cache_dir, **opts))
-    b = run(tiny_config(tmp_path / "ray", cache_dir, backend="ray", num_actors=2, **opts))
+    b = run(tiny_config(tmp_path / "ray", cache_dir, execution={"backend": "ray", "num_actors": 2}, **opts))
     ra, rb = (pd.read_csv(r.out_dir / "results.csv")[COLS] for r in (a, b))
     pd.testing.assert_frame_equal(ra, rb)
     assert (ra["bytes_up"] > 0).all() and ra["train_loss"].notna().all()
@@ -251,7 +251,7 @@ def test_end_to_end_identical_inline_and_on_ray(tmp_path, cache_dir, ray_session
 def test_dpfpl_reference_run_warns_once_and_prints_an_honest_epsilon(tmp_path, cache_dir, caplog):
     from raysim.engine.loop import run
 
-    cfg = tiny_config(tmp_path, cache_dir, method="dpfpl", n_ctx=4, rounds=2, dpfpl={"dp_mode": "reference"}, dp={"epsilon": 1.0})
+    cfg = tiny_config(tmp_path, cache_dir, method="dpfpl", train={"n_ctx": 4, "rounds": 2}, dpfpl={"dp_mode": "reference"}, dp={"epsilon": 1.0})
     with caplog.at_level(logging.WARNING, logger="raysim"):
         res = run(cfg)
     lines = [r.getMessage() for r in caplog.records if "dp_mode=reference" in r.getMessage()]
