@@ -121,7 +121,7 @@ def test_pretrain_folder_loads_and_runs_the_patch_router(tmp_path, cache_dir):
                 warmup=1, cache_dir=str(tmp_path / "pc"), bench=bench, progress=False, embed_dim=32, vision_width=48,
                 vision_layers=1, patch_size=8, text_width=32, text_layers=1)
     name = "raysim-clip-vit"
-    with pytest.raises(ConfigError, match=f"model={name}"):
+    with pytest.raises(ConfigError, match=f"model.name={name}"):
         run(tiny_config(tmp_path / "wrong", cache_dir, model={"pretrained": str(out)}))
     res = run(tiny_config(tmp_path, cache_dir, method="fedsept", model={"name": name, "pretrained": str(out)}, train={"n_ctx": 4, "rounds": 1},
                           fedsept={"router": "patch", "rank": 4}))
