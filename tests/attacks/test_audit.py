@@ -209,7 +209,8 @@ def test_audit_of_a_folder_of_runs_tabulates_and_plots_against_epsilon(proto_run
 
 
 def test_audit_of_a_prompt_run_runs_the_update_mia_and_gradient_inversion(tmp_path, cache_dir):
-    out = run(tiny_config(tmp_path / "pfl", cache_dir, output={"record_uploads": True}, train={"rounds": 2, "n_ctx": 4}, dp={"epsilon": 1.0})).out_dir
+    out = run(tiny_config(tmp_path / "pfl", cache_dir, output={"record_uploads": True}, train={"rounds": 2, "n_ctx": 4},
+                          dp={"epsilon": 1.0})).out_dir
     budget = GIABudget(images=2, iterations=3, clients=1, rounds="all")  # a tiny budget: the wiring, not the attack's strength
     res = audit_run(out, progress=False, gia=budget)
     assert res.family == "update" and res.ldp == "DPSGD"

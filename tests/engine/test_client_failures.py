@@ -77,8 +77,8 @@ def test_fail_on_the_command_line_is_one_message_and_exit_2(tmp_path, cache_dir,
 
     out = tmp_path / "cli"
     args = ["method=flaky", f"flaky.client={FAILING}", f"flaky.round={ROUND}", "data.dataset=digits", "model.name=raysim-tiny",
-            "model.pretrained=", "train.ctx_init=", "train.num_clients=4", "train.rounds=3", "data.shots=8", "train.batch_size=16", "execution.backend=inline",
-            "output.progress=false", "output.tensorboard=false", f"output.cache_dir={cache_dir}", f"output.out_dir={out}"]
+            "model.pretrained=", "train.ctx_init=", "train.num_clients=4", "train.rounds=3", "data.shots=8", "train.batch_size=16",
+            "execution.backend=inline", "output.progress=false", "output.tensorboard=false", f"output.cache_dir={cache_dir}", f"output.out_dir={out}"]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert f"error: client {FAILING} failed in round {ROUND}: RuntimeError: flaky client {FAILING} broke" in err
@@ -86,9 +86,8 @@ def test_fail_on_the_command_line_is_one_message_and_exit_2(tmp_path, cache_dir,
 
 
 def _drop_run(tmp_path, cache_dir, mode, **extra):
-    from raysim.engine.loop import run
-
     from raysim.config import merge_config
+    from raysim.engine.loop import run
 
     cfg = config(tmp_path, cache_dir, mode, **merge_config({"execution": {"on_client_error": "drop"}, "dp": {"epsilon": 8.0}}, extra))
     result = run(cfg)
@@ -140,7 +139,8 @@ def test_drop_stops_below_min_clients(tmp_path, cache_dir):
         run(cfg)
     assert [int(r["round"]) for r in rows(run_dir(cfg) / "results.csv")] == [0]
     # every client failing leaves none, fewer than the default min_clients=1
-    cfg = config(tmp_path / "all", cache_dir, "raise", execution={"on_client_error": "drop"}, train={"num_clients": 1, "participation": 1.0}, flaky={"client": 0, "round": 0})
+    cfg = config(tmp_path / "all", cache_dir, "raise", execution={"on_client_error": "drop"},
+                 train={"num_clients": 1, "participation": 1.0}, flaky={"client": 0, "round": 0})
     with pytest.raises(ClientFailure, match="leaving 0, fewer than min_clients=1"):
         run(cfg)
 
@@ -161,7 +161,8 @@ def test_a_run_stopped_under_fail_resumes_under_drop_as_a_fresh_drop_run(tmp_pat
     ({"on_client_error": "retry"}, "on_client_error must be one of fail, drop, got 'retry'"),
     ({"client_timeout": -1}, "client_timeout is in seconds and must be >= 0"),
     ({"min_clients": 0}, "min_clients must be between 1 and the 4 clients sampled per round"),
-    ({"execution": {"min_clients": 3}, "train": {"participation": 0.5}}, r"between 1 and the 2 clients sampled per round \(num_clients=4 x participation=0.5\)"),
+    ({"execution": {"min_clients": 3}, "train": {"participation": 0.5}},
+     r"between 1 and the 2 clients sampled per round \(num_clients=4 x participation=0.5\)"),
 ])
 def test_policy_keys_are_validated(tmp_path, cache_dir, bad, message):
     with pytest.raises(ConfigError, match=message):

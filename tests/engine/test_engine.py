@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import tiny_config
 
+from raysim.config import merge_config
 from raysim.engine.loop import eval_rounds, run
 from raysim.errors import ConfigError, UploadViolation
 from raysim.metrics import TIMING_COLUMNS
@@ -52,8 +53,8 @@ def test_same_seed_same_results_inline_ray_and_pool_sizes(tmp_path, cache_dir, r
         "ray2": dict(backend="ray", num_actors=2, client_cpus=0.5),
         "per_client": dict(backend="ray", placement="actor_per_client", client_cpus=0.25),
         "inline3": dict(backend="inline", num_actors=3),
-    }.items():
-        out = run(tiny_config(tmp_path / name, cache_dir, **base, **extra)).out_dir
+    }.items():  # execution keys
+        out = run(tiny_config(tmp_path / name, cache_dir, **merge_config(base, {"execution": extra}))).out_dir
         assert read_rows(out / "results.csv") == ref, name
         assert read_rows(out / "client_results.csv") == ref_clients, name
 
@@ -176,7 +177,8 @@ def test_client_level_dp_noises_the_update_and_records_it(tmp_path, cache_dir):
     ledger spends the target over the run."""
     from raysim.storage.store import StateStore
 
-    cfg = tiny_config(tmp_path, cache_dir, train={"rounds": 2}, output={"record_uploads": True}, **{"dp": {"epsilon": 4.0, "level": "client", "clip": 0.1}})
+    cfg = tiny_config(tmp_path, cache_dir, train={"rounds": 2}, output={"record_uploads": True},
+                      **{"dp": {"epsilon": 4.0, "level": "client", "clip": 0.1}})
     out = run(cfg).out_dir
     rec = StateStore(out).load_uploads(1)
     for cid, up in rec["uploads"].items():

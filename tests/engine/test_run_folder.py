@@ -101,7 +101,8 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path, cache_dir, caplo
 def test_a_failed_start_leaves_no_folder_and_no_lock(tmp_path, cache_dir):
     out = tmp_path / "deep" / "run"
     with pytest.raises(Exception, match="cifar-10"):
-        run(tiny_config(tmp_path, cache_dir, data={"dataset": "cifar10", "data_root": str(tmp_path / "none")}, output={"out_dir": str(out)}))
+        run(tiny_config(tmp_path, cache_dir, data={"dataset": "cifar10", "data_root": str(tmp_path / "none")},
+                        output={"out_dir": str(out)}))
     assert not (tmp_path / "deep").exists()
 
 

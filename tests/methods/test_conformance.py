@@ -42,7 +42,13 @@ def config(tmp_path, name, **extra):
     from raysim.config.checks import build_config
 
     values = {
-        "method": name, "data": {"dataset": "digits", "shots": 8}, "model": {"name": "raysim-tiny", "pretrained": ""}, "train": {"n_ctx": 4, "ctx_init": "", "num_clients": 3, "rounds": 2, "batch_size": 16}, "execution": {"backend": "inline"}, "output": {"progress": False, "tensorboard": False, "cache_dir": str(tmp_path.parent / "conformance-cache"), "out_dir": str(tmp_path / "run")},
+        "method": name,
+        "data": {"dataset": "digits", "shots": 8},
+        "model": {"name": "raysim-tiny", "pretrained": ""},
+        "train": {"n_ctx": 4, "ctx_init": "", "num_clients": 3, "rounds": 2, "batch_size": 16},
+        "execution": {"backend": "inline"},
+        "output": {"progress": False, "tensorboard": False, "cache_dir": str(tmp_path.parent / "conformance-cache"),
+                   "out_dir": str(tmp_path / "run")},
     }
     if name in FAST:
         values[name] = FAST[name]

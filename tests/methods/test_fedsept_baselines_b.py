@@ -251,7 +251,8 @@ def test_end_to_end_identical_inline_and_on_ray(tmp_path, cache_dir, ray_session
 def test_dpfpl_reference_run_warns_once_and_prints_an_honest_epsilon(tmp_path, cache_dir, caplog):
     from raysim.engine.loop import run
 
-    cfg = tiny_config(tmp_path, cache_dir, method="dpfpl", train={"n_ctx": 4, "rounds": 2}, dpfpl={"dp_mode": "reference"}, dp={"epsilon": 1.0})
+    cfg = tiny_config(tmp_path, cache_dir, method="dpfpl", train={"n_ctx": 4, "rounds": 2}, dpfpl={"dp_mode": "reference"},
+                      dp={"epsilon": 1.0})
     with caplog.at_level(logging.WARNING, logger="raysim"):
         res = run(cfg)
     lines = [r.getMessage() for r in caplog.records if "dp_mode=reference" in r.getMessage()]

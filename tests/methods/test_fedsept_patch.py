@@ -123,7 +123,8 @@ def test_pretrain_folder_loads_and_runs_the_patch_router(tmp_path, cache_dir):
     name = "raysim-clip-vit"
     with pytest.raises(ConfigError, match=f"model.name={name}"):
         run(tiny_config(tmp_path / "wrong", cache_dir, model={"pretrained": str(out)}))
-    res = run(tiny_config(tmp_path, cache_dir, method="fedsept", model={"name": name, "pretrained": str(out)}, train={"n_ctx": 4, "rounds": 1},
+    res = run(tiny_config(tmp_path, cache_dir, method="fedsept", model={"name": name, "pretrained": str(out)},
+                          train={"n_ctx": 4, "rounds": 1},
                           fedsept={"router": "patch", "rank": 4}))
     saved = StateStore(res.out_dir).load_client(0, 10**6)
     assert saved["private"]["router"]["probe"].shape == (1, 48)  # the ViT's token width, not the 32-d embedding

@@ -258,7 +258,10 @@ def test_private_variant_end_to_end_shows_its_epsilon(tmp_path):
     with pytest.raises(ConfigError, match="dp.epsilon"):
         build_config({"method": "fedtsp", "fedtsp": {"dp_epsilon": 1.0}})
     cfg = build_config({
-        "method": "fedtsp", "data": {"dataset": "digits", "shots": 8}, "model": {"name": "raysim-tiny", "pretrained": ""}, "train": {"num_clients": 3, "rounds": 2}, "execution": {"backend": "inline"}, "output": {"out_dir": str(tmp_path / "run"), "progress": False, "tensorboard": False, "cache_dir": str(tmp_path / "c"), "record_uploads": True},
+        "method": "fedtsp", "data": {"dataset": "digits", "shots": 8}, "model": {"name": "raysim-tiny", "pretrained": ""},
+        "train": {"num_clients": 3, "rounds": 2}, "execution": {"backend": "inline"},
+        "output": {"out_dir": str(tmp_path / "run"), "progress": False, "tensorboard": False, "cache_dir": str(tmp_path / "c"),
+                   "record_uploads": True},
         "dp": {"epsilon": 2.0}, "fedtsp": {"plm": "clip", "model_family": "tiny"},
     })
     res = run(cfg)

@@ -218,7 +218,8 @@ def test_full_dp_run_spends_its_target_and_absent_clients_spend_nothing(tmp_path
     sched = schedule(seed, rounds, K, part)
     absent = sorted(set(range(K)) - {c for p in sched for c in p})
     assert absent, "the test needs a seed where some client never takes part"
-    cfg = tiny_config(tmp_path, cache_dir, train={"seed": seed, "rounds": rounds, "participation": part, "batch_size": 8}, data={"shots": 16},
+    cfg = tiny_config(tmp_path, cache_dir, train={"seed": seed, "rounds": rounds, "participation": part, "batch_size": 8},
+                      data={"shots": 16},
                       **{"dp": {"epsilon": 2.0, "accountant": accountant, "sampling": "poisson"}})
     out = run(cfg).out_dir
     rows = list(csv.DictReader(open(out / "client_results.csv")))
