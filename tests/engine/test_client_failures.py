@@ -78,7 +78,8 @@ def test_fail_on_the_command_line_is_one_message_and_exit_2(tmp_path, cache_dir,
     out = tmp_path / "cli"
     args = ["method=flaky", f"flaky.client={FAILING}", f"flaky.round={ROUND}", "data.dataset=digits", "model.name=raysim-tiny",
             "model.pretrained=", "train.ctx_init=", "train.num_clients=4", "train.rounds=3", "data.shots=8", "train.batch_size=16",
-            "execution.backend=inline", "output.progress=false", "output.tensorboard=false", f"output.cache_dir={cache_dir}", f"output.out_dir={out}"]
+            "execution.backend=inline", "output.progress=false", "output.tensorboard=false", f"output.cache_dir={cache_dir}",
+            f"output.out_dir={out}"]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert f"error: client {FAILING} failed in round {ROUND}: RuntimeError: flaky client {FAILING} broke" in err
