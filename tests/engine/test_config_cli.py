@@ -34,7 +34,7 @@ def test_overrides_are_typed_and_nested():
 
 def test_yaml_file_plus_overrides(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text("rounds: 7\nbeta: 0.1\ndp:\n  epsilon: 2\n")
+    f.write_text("train:\n  rounds: 7\ndata:\n  beta: 0.1\ndp:\n  epsilon: 2\n")
     cfg = config_from_cli(str(f), ["data.beta=0.3"])
     assert (cfg.train.rounds, cfg.data.beta, cfg.dp.epsilon) == (7, 0.3, 2.0)
     # the resolved config round-trips through its YAML
@@ -220,28 +220,69 @@ def test_resumable_keys_are_field_metadata():
     assert not {"train.lr", "train.seed", "data.partition", "execution.num_threads", "dp.epsilon"} & keys
 
 
-def test_shipped_sweep_and_table_files_use_sectioned_keys(caplog, tmp_path):
-    """Every shipped sweep (sweeps/*.yaml) and comparison spec (benchmarks/tables/*.yaml) builds its configs
-    without one deprecation message: they are written with the sectioned keys."""
-    import glob
+def _shipped_yaml() -> list[Path]:
+    """Every YAML file of the repository (not the venv, build outputs or run folders)."""
+    skip = {".venv", "build", ".git", "site", "runs", "node_modules"}
+    return sorted(p for ext in ("*.yaml", "*.yml") for p in ROOT.rglob(ext) if not skip & set(p.relative_to(ROOT).parts))
+
+
+def test_shipped_sweep_and_table_files_use_sectioned_keys(caplog, tmp_path, monkeypatch):
+    """Every shipped YAML file that raysim reads (sweeps, comparison specs, run configs, in any folder)
+    builds its configs without one deprecation message, and with old keys refused
+    (RAYSIM_FLAT_KEYS=error): they are written with the sectioned keys. The rest (Ray cluster launcher
+    files, the docs site's config) are named and not raysim configs."""
     import logging
 
+    import yaml
+
     from raysim.config import load as config_load
+    from raysim.config.checks import build_config
     from raysim.tools.compare import plan, spec_from_args
     from raysim.tools.sweep import load_sweep, validate_sweep
 
+    monkeypatch.setenv("RAYSIM_FLAT_KEYS", "error")
     config_load._WARNED.clear()
+    kinds: dict[str, list[str]] = {"sweep": [], "compare": [], "config": [], "cluster": [], "site": []}
     with caplog.at_level(logging.WARNING, logger="raysim.config"):
-        sweeps = sorted(glob.glob(str(ROOT / "sweeps" / "*.yaml")))
-        tables = sorted(glob.glob(str(ROOT / "benchmarks" / "tables" / "*.yaml")))
-        for path in sweeps:
-            validate_sweep(load_sweep(path))
-        for path in tables:
-            spec, _ = spec_from_args([path])
-            plan(spec, tmp_path / Path(path).stem)
+        for path in _shipped_yaml():
+            rel = path.relative_to(ROOT).as_posix()
+            raw = yaml.safe_load(path.read_text()) or {}
+            if path.name == "mkdocs.yml":
+                kinds["site"].append(rel)
+            elif "cluster_name" in raw:
+                kinds["cluster"].append(rel)
+            elif "space" in raw or "base" in raw:
+                validate_sweep(load_sweep(path))
+                kinds["sweep"].append(rel)
+            elif "methods" in raw:
+                spec, _ = spec_from_args([str(path)])
+                plan(spec, tmp_path / path.stem)
+                kinds["compare"].append(rel)
+            else:
+                build_config(config_load.load_config_file(path))
+                kinds["config"].append(rel)
+    sweeps = [p for p in kinds["sweep"] if p.startswith("sweeps/")]
+    tables = [p for p in kinds["compare"] if p.startswith("benchmarks/tables/")]
     assert len(sweeps) >= 5 and len(tables) >= 5
+    assert sorted(kinds["cluster"]) == ["clusters/aws.yaml", "clusters/local.yaml"] and kinds["site"] == ["mkdocs.yml"]
     said = [r.getMessage() for r in caplog.records if "is now" in r.getMessage()]
     assert not said, said
+
+
+def test_a_shipped_file_with_an_old_key_would_be_caught(tmp_path, monkeypatch):
+    """The check above can fail: the same loaders refuse a sweep and a spec with one flat key."""
+    from raysim.tools.compare import spec_from_args
+    from raysim.tools.sweep import load_sweep, validate_sweep
+
+    monkeypatch.setenv("RAYSIM_FLAT_KEYS", "error")
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("base: {method: promptfl, rounds: 2}\nspace: {dp.epsilon: {grid: [1.0]}}\n")
+    with pytest.raises(ConfigError, match="'rounds' is now 'train.rounds'"):
+        validate_sweep(load_sweep(sweep))
+    spec = tmp_path / "t.yaml"
+    spec.write_text("methods: [promptfl]\nsetting: {dataset: digits}\n")
+    with pytest.raises(ConfigError, match="'dataset' is now 'data.dataset'"):
+        spec_from_args([str(spec)])
 
 
 def test_schema_backend_names_are_the_engine_backends():
