@@ -8,8 +8,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # the repository's own tests and files use sectioned keys: an old flat key (`rounds`, `dp.vpp_rho`) raises
-# ConfigError rather than being moved; the tests of the shim itself turn this off with monkeypatch
-# (Ray workers inherit the environment, so actors refuse old keys too)
+# ConfigError rather than being moved; the tests of the shim itself take `flat_keys_allowed` (below). The check
+# runs where user input enters, in this process; the local cluster's workers inherit the variable as well
 os.environ.setdefault("RAYSIM_FLAT_KEYS", "error")
 
 import pytest  # noqa: E402

@@ -118,8 +118,7 @@ def load_clip(spec: ModelSpec, device: str | torch.device = "cpu") -> OpenClipMo
         )
     if pretrained == BUNDLED_TAG:
         if spec.model != BUNDLED_MODEL:
-            raise ConfigError(f"model.pretrained={BUNDLED_TAG} names this project's own {BUNDLED_MODEL} weights; "
-                              f"use model.name={BUNDLED_MODEL}")
+            raise ConfigError(f"model.pretrained={BUNDLED_TAG} is this project's {BUNDLED_MODEL} weights; use model.name={BUNDLED_MODEL}")
         from raysim.models.bundled import bundled_checkpoint
 
         pretrained = str(bundled_checkpoint(spec.cache_dir))
