@@ -150,7 +150,7 @@ def load_clip(spec: ModelSpec, device: str | torch.device = "cpu") -> OpenClipMo
             if pretrained and not Path(pretrained).is_file():
                 raise DataError(
                     f"could not load open_clip weights {spec.model}/{pretrained} ({e.__class__.__name__}: {e}). "
-                    "Without internet, download the checkpoint elsewhere and pass pretrained=/path/to/file.pt."
+                    "Without internet, download the checkpoint elsewhere and pass model.pretrained=/path/to/file.pt."
                 ) from None
             raise
     model.eval().requires_grad_(False)
