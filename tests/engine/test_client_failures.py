@@ -159,9 +159,9 @@ def test_a_run_stopped_under_fail_resumes_under_drop_as_a_fresh_drop_run(tmp_pat
 
 
 @pytest.mark.parametrize("bad, message", [
-    ({"on_client_error": "retry"}, "on_client_error must be one of fail, drop, got 'retry'"),
-    ({"client_timeout": -1}, "client_timeout is in seconds and must be >= 0"),
-    ({"min_clients": 0}, "min_clients must be between 1 and the 4 clients sampled per round"),
+    ({"execution": {"on_client_error": "retry"}}, "on_client_error must be one of fail, drop, got 'retry'"),
+    ({"execution": {"client_timeout": -1}}, "client_timeout is in seconds and must be >= 0"),
+    ({"execution": {"min_clients": 0}}, "min_clients must be between 1 and the 4 clients sampled per round"),
     ({"execution": {"min_clients": 3}, "train": {"participation": 0.5}},
      r"between 1 and the 2 clients sampled per round \(num_clients=4 x participation=0.5\)"),
 ])
