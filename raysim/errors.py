@@ -27,6 +27,30 @@ class CheckpointError(DataError):
 
 class RunFolderLocked(ConfigError):
     """Another live process is writing the run folder (out_dir)."""
+
+
+def os_error_line(e: OSError, where: str = "", resume: str = "") -> str:
+    """One line for an OSError at the edge: the path, what went wrong, what to do (`resume`: the out_dir
+    a run can be continued from once the cause is fixed)."""
+    import errno
+
+    path = e.filename or where or "a file"
+    what = e.strerror or type(e).__name__
+    then = f", then continue with output.resume={resume}" if resume else ""
+    advice = {
+        errno.ENOSPC: f"the disk is full: free some space{then}",
+        errno.EDQUOT: f"the disk quota is used up: free some space{then}",
+        errno.EROFS: "the file system is read-only: choose another output.out_dir",
+        errno.EACCES: "permission denied: choose a folder you can write, or fix its permissions",
+        errno.EPERM: "permission denied: choose a folder you can write, or fix its permissions",
+        errno.ENAMETOOLONG: "the name is too long: choose a shorter path",
+        errno.ENOTDIR: "a part of the path is a file, not a folder: choose another path",
+        errno.EISDIR: "it is a folder where a file was expected: pass the file",
+        errno.ENOENT: "it does not exist: check the path",
+    }.get(e.errno or -1, f"check the path and the disk{then}")
+    return f"{path}: {what}; {advice}"
+
+
 class ClientFailure(RaysimError):
     """A client's local training failed (it raised, uploaded a non-finite tensor, or ran past
     client_timeout) and the run's on_client_error / min_clients policy stops the run."""

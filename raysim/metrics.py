@@ -135,7 +135,7 @@ def summarize(results_csv: Path, last: int = 5) -> dict[str, float]:
     """Mean In / Cross over the last `last` evaluated rounds; HM from the two means (SPEC 1.10)."""
     import pandas as pd
 
-    df = pd.read_csv(results_csv)
+    df = results_csv if isinstance(results_csv, pd.DataFrame) else pd.read_csv(results_csv)
     ev = df.dropna(subset=["in_client"]).tail(last)
     if ev.empty:
         return {"in_client": float("nan"), "cross_client": float("nan"), "hm": float("nan")}

@@ -4,6 +4,12 @@
 unpickle (a class, a function: an object that could run code) is refused. `atomic_save` writes through a
 temporary name with the SHA-256 beside the file, and `load_checked` reads it back against that digest.
 Run folders (raysim/storage) and the data caches (raysim/data) use them.
+
+`read_regular` is how every file of a run folder (or a dataset / cache folder) is read: it must be a
+regular file (a symbolic link may point only inside the folder; no device, FIFO or socket) no larger than
+the size the writer recorded, or than `MAX_FILE_BYTES` (a documented maximum, 8 GiB, settable with the
+environment variable RAYSIM_MAX_FILE_BYTES) when nothing was recorded; it is read in bounded chunks, so a
+file that grows while it is read cannot exhaust memory either. A checkpoint without its digest is damaged.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import hashlib
 import io
 import os
 import pickle
+import stat
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,9 +26,12 @@ import numpy as np
 import torch
 from numpy._core import multiarray as np_multiarray  # numpy's stubs do not list np._core
 
-from raysim.errors import CheckpointError
+from raysim.errors import CheckpointError, DataError
 
 DIGEST_SUFFIX = ".sha256"
+MAX_FILE_BYTES = int(os.environ.get("RAYSIM_MAX_FILE_BYTES", str(8 << 30)))  # documented maximum (docs/security.md)
+MAX_DIGEST_BYTES = 1024  # "<64 hex digits> <size>\n"
+_CHUNK = 1 << 20
 
 # numpy arrays and scalars are plain data too (generated-data caches hold them); nothing else is let through
 SAFE_NUMPY: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [  # what torch.serialization.safe_globals takes
@@ -67,26 +77,86 @@ def atomic_save(obj: Any, path: Path) -> None:
     tag = f".tmp{os.getpid()}"
     digest = path.with_name(path.name + DIGEST_SUFFIX)
     tmp, tmp_digest = path.with_name(f".{path.name}{tag}"), digest.with_name(f".{digest.name}{tag}")
-    tmp.write_bytes(data)
-    tmp_digest.write_text(hashlib.sha256(data).hexdigest() + "\n")
-    os.replace(tmp_digest, digest)
-    os.replace(tmp, path)
-
-
-def load_checked(path: Path) -> Any:
-    """Read a checkpoint: its bytes must match the recorded SHA-256 (when there is one: older run folders
-    have none) and unpickle as plain data. Anything else raises a CheckpointError naming the file."""
-    path = Path(path)
     try:
-        data = path.read_bytes()
+        tmp.write_bytes(data)
+        tmp_digest.write_text(f"{hashlib.sha256(data).hexdigest()} {len(data)}\n")
+        os.replace(tmp_digest, digest)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a signal: no half-written temporary file is left behind
+        tmp.unlink(missing_ok=True)
+        tmp_digest.unlink(missing_ok=True)
+        raise
+
+
+def _inside(path: Path, root: Path) -> bool:
+    real, top = os.path.realpath(path), os.path.realpath(root)
+    return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
+
+
+def read_regular(path: str | Path, *, root: str | Path | None = None, max_bytes: int | None = None,
+                 error: type[Exception] = DataError, what: str = "") -> bytes:
+    """The bytes of `path`, which must be a regular file (inside `root` when given, also through symbolic
+    links) of at most `max_bytes` (default MAX_FILE_BYTES). Anything else raises `error` naming the file,
+    before more than `max_bytes` + 1 bytes are ever read."""
+    path = Path(path)
+    name = what or str(path)
+    limit = MAX_FILE_BYTES if max_bytes is None else max_bytes
+    if root is not None and not _inside(path, Path(root)):
+        raise error(f"{name} is a link to {os.path.realpath(path)}, outside {root}; a run folder's files must lie inside it")
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{name} is not a regular file (a device, FIFO, socket or folder); raysim reads only plain files there")
+        if st.st_size > limit:
+            raise error(f"{name} is {st.st_size} bytes, more than the {limit} bytes expected of it")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
     except OSError as e:
-        raise CheckpointError(f"{path} cannot be read ({_reason(e)})") from None
+        raise error(f"{name} cannot be read ({_reason(e)})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped between the stat and the open
+            raise error(f"{name} is not a regular file; raysim reads only plain files there")
+        chunks, total = [], 0
+        while chunk := os.read(fd, min(_CHUNK, limit + 1 - total) or 1):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise error(f"{name} grew past the {limit} bytes expected of it while being read")
+        return b"".join(chunks)
+    except OSError as e:
+        raise error(f"{name} cannot be read ({_reason(e)})") from None
+    finally:
+        os.close(fd)
+
+
+def read_digest(path: Path, *, root: str | Path | None = None) -> tuple[str, int | None]:
+    """The (SHA-256, size) recorded beside a checkpoint (size None in a digest written without one).
+    A missing or unreadable digest is a CheckpointError: the checkpoint is then treated as damaged."""
     digest = path.with_name(path.name + DIGEST_SUFFIX)
-    if digest.is_file():
-        want = digest.read_text().strip()
-        got = hashlib.sha256(data).hexdigest()
-        if want != got:
-            raise CheckpointError(
-                f"{path} is truncated or corrupted ({len(data)} bytes whose SHA-256 does not match the one recorded when it was written)"
-            )
+    if not os.path.lexists(digest):
+        raise CheckpointError(
+            f"{path} has no {digest.name} beside it, so its content cannot be checked; it is treated as damaged"
+        )
+    raw = read_regular(digest, root=root, max_bytes=MAX_DIGEST_BYTES, error=CheckpointError)
+    parts = raw.decode("ascii", errors="replace").split()
+    ok = len(parts) in (1, 2) and len(parts[0]) == 64 and all(c in "0123456789abcdef" for c in parts[0])
+    if ok and len(parts) == 2:
+        ok = parts[1].isdigit() and len(parts[1]) < 20
+    if not ok:
+        raise CheckpointError(f"{digest} is damaged: it should hold a SHA-256 in hex and the file's size")
+    return parts[0], (int(parts[1]) if len(parts) == 2 else None)
+
+
+def load_checked(path: Path, *, root: str | Path | None = None) -> Any:
+    """Read a checkpoint: a regular file (inside `root`, the run folder, when given) whose size and bytes
+    match the SHA-256 and size recorded beside it (a missing digest is damage too), unpickled as plain
+    data. Anything else raises a CheckpointError naming the file; nothing larger than the recorded size is read."""
+    path = Path(path)
+    want, size = read_digest(path, root=root)
+    data = read_regular(path, root=root, max_bytes=size, error=CheckpointError)
+    if size is not None and len(data) != size:
+        raise CheckpointError(f"{path} is truncated or corrupted ({len(data)} bytes where {size} were written)")
+    if hashlib.sha256(data).hexdigest() != want:
+        raise CheckpointError(
+            f"{path} is truncated or corrupted ({len(data)} bytes whose SHA-256 does not match the one recorded when it was written)"
+        )
     return safe_load(data, what=str(path))

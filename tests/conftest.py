@@ -12,7 +12,62 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # runs where user input enters, in this process; the local cluster's workers inherit the variable as well
 os.environ.setdefault("RAYSIM_FLAT_KEYS", "error")
 
+import inspect  # noqa: E402
+import re  # noqa: E402
+
 import pytest  # noqa: E402
+
+# a test that starts, joins or needs a Ray cluster: by its fixtures, its source (decorators included), the
+# module functions and fixtures it calls, or a "ray" parameter
+_RAY = re.compile(r"ray_session|import ray\b|init_ray|ray start|[\"']ray[\"']|backend=ray|execution\.address|\bray\.")
+
+
+def _source(obj) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+def _needs_ray(item) -> bool:
+    if "ray_session" in getattr(item, "fixturenames", ()):
+        return True
+    fn = getattr(item, "function", None)
+    if fn is None:
+        return False
+    if _RAY.search(_source(fn)):
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if any(v == "ray" for v in params.values() if isinstance(v, str)):
+        return True
+    module = getattr(item, "module", None)
+    called = [getattr(module, name, None) for name in getattr(fn, "__code__", None).co_names] if module else []
+    if any(inspect.isfunction(f) and f.__module__ == module.__name__ and _RAY.search(_source(f)) for f in called):
+        return True
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in (info.name2fixturedefs.values() if info else ()):
+        for d in defs:
+            if getattr(d.func, "__module__", None) == getattr(module, "__name__", "") and _RAY.search(_source(d.func)):
+                return True
+    return False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`), every test that needs Ray runs in one
+    worker, so the suite starts one local cluster, as a serial run does; the rest spread over the others."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if _needs_ray(item):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)  # one core per worker: two workers on two cores do not oversubscribe
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,15 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import yaml
 
-from raysim.config.load import RENAMED, _build_dataclass, deep_merge, load_config_file, move_flat_keys, parse_user_overrides
+from raysim.config.load import (
+    RENAMED,
+    _build_dataclass,
+    deep_merge,
+    expand_dotted_keys,
+    load_config_file,
+    move_flat_keys,
+    parse_user_overrides,
+)
 from raysim.config.schema import (
     BACKEND_NAMES,
     KEEP_CLIENT_STATES,
@@ -71,7 +79,8 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> R
     """Build and validate a RunConfig from a (nested) mapping plus keyword overrides."""
     from raysim.methods import get_method, method_names
 
-    values = deep_merge(move_flat_keys(dict(values or {})), move_flat_keys(overrides))  # user input: old keys moved once
+    # user input: dotted keys of a mapping expanded, old keys moved once
+    values = deep_merge(move_flat_keys(expand_dotted_keys(dict(values or {}))), move_flat_keys(overrides))
     plain: dict[str, Any] = {}
     sections: dict[str, Any] = {}
     run_fields = {f.name for f in dataclasses.fields(RunConfig)} - {"methods"}
@@ -151,7 +160,32 @@ def _validate_data(d: DataConfig) -> None:
            f"data.partition=pfllib is PFLlib's protocol, which keeps every sample of each client; set data.shots=0 (got {d.shots})")
 
 
+# documented maxima (docs/security.md): a count past these is a typo or an attack, and would hang or exhaust the machine
+MAX_ROUNDS = 1_000_000
+MAX_CLIENTS = 100_000
+MAX_LOCAL_EPOCHS = 10_000
+MAX_BATCH_SIZE = 1_000_000
+MAX_N_CTX = 1_000
+MAX_CTX_INIT_CHARS = 1_000
+
+
+def _at_most(value: int, limit: int, key: str) -> None:
+    _check(value <= limit, f"{key} is at most {limit:,} (raysim's documented maximum, docs/security.md), got {_short(value)}")
+
+
+def _short(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
+
+
 def _validate_train(t: TrainConfig) -> None:
+    _at_most(t.num_clients, MAX_CLIENTS, "train.num_clients")
+    _at_most(t.rounds, MAX_ROUNDS, "train.rounds")
+    _at_most(t.local_epochs, MAX_LOCAL_EPOCHS, "train.local_epochs")
+    _at_most(t.batch_size, MAX_BATCH_SIZE, "train.batch_size")
+    _at_most(t.n_ctx, MAX_N_CTX, "train.n_ctx")
+    _check(len(t.ctx_init) <= MAX_CTX_INIT_CHARS,
+           f"train.ctx_init is a short phrase (at most {MAX_CTX_INIT_CHARS} characters), got {len(t.ctx_init):,} characters")
     _check(t.num_clients >= 1, f"train.num_clients must be >= 1, got {t.num_clients}")
     _check(0 < t.participation <= 1, f"train.participation must be in (0, 1], got {t.participation}")
     _check(t.rounds >= 1, f"train.rounds must be >= 1, got {t.rounds}")
@@ -160,7 +194,7 @@ def _validate_train(t: TrainConfig) -> None:
     _check(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
     _check(t.momentum >= 0 and t.weight_decay >= 0, "train.momentum and train.weight_decay must be >= 0")
     _check(t.n_ctx >= 1, f"train.n_ctx must be >= 1, got {t.n_ctx}")
-    _check(t.seed >= 0, f"train.seed must be >= 0, got {t.seed}")
+    _check(0 <= t.seed < 2**63, f"train.seed must be in [0, 2^63), got {_short(t.seed)}")
 
 
 def _validate_eval(e: EvalConfig, t: TrainConfig) -> None:
@@ -172,6 +206,9 @@ def _validate_eval(e: EvalConfig, t: TrainConfig) -> None:
     _check(e.protocol in PROTOCOLS, f"eval.protocol must be one of {', '.join(PROTOCOLS.names())}, got {e.protocol!r}")
     _check(e.batch_size >= 1, f"eval.batch_size must be >= 1, got {e.batch_size}")
     _check(e.every >= 1 and e.last >= 0, "eval.every must be >= 1 and eval.last >= 0")
+    _at_most(e.every, MAX_ROUNDS, "eval.every")
+    _at_most(e.last, MAX_ROUNDS, "eval.last")
+    _at_most(e.batch_size, MAX_BATCH_SIZE, "eval.batch_size")
 
 
 def _validate_execution(x: ExecutionConfig, t: TrainConfig) -> None:

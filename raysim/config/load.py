@@ -59,19 +59,21 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ConfigError(f"{key} must be an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
         try:
             f = float(value)
-        except ValueError:
-            raise ConfigError(f"{key} must be an integer, got {value!r}") from None
+        except (ValueError, OverflowError):
+            raise ConfigError(f"{key} must be an integer, got {str(value)[:40]!r}") from None
         if not f.is_integer():
-            raise ConfigError(f"{key} must be an integer, got {value!r}")
+            raise ConfigError(f"{key} must be an integer, got {str(value)[:40]!r}")
         return int(f)
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"{key} must be a number, got {value!r}")
         try:
             return float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"{key} must be a number (use inf for infinity), got {value!r}") from None
     if tp is str:
         if isinstance(value, (dict, list)):
@@ -96,10 +98,12 @@ def _build_dataclass(cls: type, values: Mapping[str, Any], prefix: str = "") -> 
         if key not in names:
             import difflib
 
-            hint = difflib.get_close_matches(key, names, n=1)
+            if not names:
+                raise ConfigError(f"unknown config key '{prefix}{key}': {prefix.rstrip('.') or 'this section'} takes no keys; remove it")
+            hint = difflib.get_close_matches(str(key), names, n=1)
             extra = f" Did you mean {prefix}{hint[0]}?" if hint else ""
             raise ConfigError(
-                f"unknown config key {prefix}{key!r}.{extra} Valid keys: {', '.join(prefix + n for n in sorted(names))}."
+                f"unknown config key '{prefix}{key}'.{extra} Valid keys: {', '.join(prefix + n for n in sorted(names))}."
             )
         if dataclasses.is_dataclass(hints[key]):
             if not isinstance(value, Mapping):
@@ -165,6 +169,9 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             value = yaml.safe_load(raw) if raw.strip() != "" else ""
         except yaml.YAMLError:
             value = raw
+        except (ValueError, RecursionError) as e:  # an integer of thousands of digits, a deeply nested value
+            raise ConfigError(f"{key}: the value ({len(raw)} characters) cannot be read ({str(e)[:120]}); "
+                              "give a value of sensible size") from None
         set_dotted(out, key, value)
     return out
 
@@ -179,14 +186,28 @@ def deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, A
     return out
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
+MAX_CONFIG_BYTES = 16 << 20  # a config file (or a run's config.yaml) is at most 16 MiB
+
+
+def load_yaml(path: str | Path, *, root: str | Path | None = None) -> dict[str, Any]:
+    """A YAML mapping from a file: a regular UTF-8 file of at most MAX_CONFIG_BYTES (inside `root`, a run
+    folder, when given). Anything else is a ConfigError naming the file."""
+    from raysim.safeio import read_regular
+
     p = Path(path).expanduser()
-    if not p.is_file():
+    if not os.path.lexists(p):
         raise ConfigError(f"config file {str(p)!r} does not exist")
+    raw = read_regular(p, root=root, max_bytes=MAX_CONFIG_BYTES, error=ConfigError, what=f"config file {str(p)!r}")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {e.start} is {raw[e.start]:#04x}); save it as UTF-8") from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+    except (ValueError, RecursionError) as e:  # e.g. an integer of thousands of digits, a deeply nested document
+        raise ConfigError(f"config file {str(p)!r} holds a value raysim cannot read ({str(e)[:120]})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r} must hold a mapping of keys to values")
     return data
@@ -244,9 +265,30 @@ def merge_config(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str,
     return deep_merge(base, extra)
 
 
+def expand_dotted_keys(values: Mapping[str, Any]) -> dict[str, Any]:
+    """`{"data.dataset": "digits"}` (a dotted key written in a YAML mapping) as `{"data": {"dataset": "digits"}}`."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(key, str) and "." in key:
+            out = deep_merge(out, unflatten({key: value}))
+        else:
+            out = deep_merge(out, {key: value})
+    return out
+
+
+def check_sections(values: Mapping[str, Any], where: str) -> None:
+    """A section given as a scalar (`train: 5`) is refused: merged with other input it would be dropped silently."""
+    for key, value in values.items():
+        if key in SECTIONS and key != "model" and value is not None and not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: {key} is a section, not a value (got {str(value)[:40]!r}); write its keys under it, "
+                              f"e.g. {key}:\n  NAME: VALUE, or {key}.NAME=VALUE on the command line")
+
+
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """A run config file (YAML), its old keys moved into their sections."""
-    return move_flat_keys(load_yaml(path))
+    values = load_yaml(path)
+    check_sections(values, f"config file {str(path)!r}")
+    return move_flat_keys(expand_dotted_keys(values))
 
 
 def parse_user_overrides(items: list[str]) -> dict[str, Any]:

@@ -133,6 +133,8 @@ class ExecutionConfig:
     # "" = join the cluster `ray start --head` runs on this machine when one is up, else start one here;
     # "local" = always start a new one here; "auto" (on a node of a running cluster) or HOST:PORT = join that one
     address: str = field(default="", metadata=RESUMABLE)
+    # start Ray's dashboard (bound to localhost) with a cluster raysim starts itself; a joined cluster keeps its own
+    dashboard: bool = field(default=False, metadata=RESUMABLE)
     max_actor_restarts: int = field(default=3, metadata=RESUMABLE)  # actors replaced after a crash, per run
     # client failures: a client whose local training raises, uploads a non-finite tensor or takes longer
     # than client_timeout seconds (0 = no limit) stops the run (fail) or is left out of its round (drop);

@@ -30,7 +30,9 @@ def _load(path: Path, bundle: DatasetBundle) -> Optional[dict]:
     if not path.is_file():
         return None
     try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
+        from raysim.safeio import read_regular, safe_load
+
+        blob = safe_load(read_regular(path, root=path.parent))  # a regular file, size-capped; plain data only
         if blob["train"].shape[0] == len(bundle.train) and blob["test"].shape[0] == len(bundle.test):
             return blob
     except Exception as e:  # a truncated file from an interrupted run: recompute

@@ -11,6 +11,7 @@ the methods the pool as both the train and the test array (`is_pooled`).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -71,11 +72,53 @@ def pooled_labels(spec: PartitionSpec) -> np.ndarray:
     return np.concatenate([spec.train_labels, spec.test_labels])
 
 
+DIRICHLET_MAX_DRAWS = 1000  # the Dirichlet partitions redraw at most this often...
+DIRICHLET_MAX_SECONDS = 30.0  # ...and for at most this long, then explain why no draw fits
+
+
+def min_per_client(kind: str, spec: PartitionSpec) -> int:
+    """The fewest train (and test) samples partition `kind` gives each client (the pooled pfllib: of its pool)."""
+    kind = str(kind).lower()
+    if kind == "dirichlet":
+        return spec.min_samples or DIRICHLET_MIN_SAMPLES
+    if is_pooled(kind):
+        return 2  # one train and one test sample after the 75 / 25 split
+    return 1
+
+
+def check_feasible(kind: str, spec: PartitionSpec) -> None:
+    """Refuse, before any partition is drawn, more clients than the splits can give `min_per_client` samples each."""
+    K, m = int(spec.num_clients), min_per_client(kind, spec)
+    if is_pooled(kind):
+        sizes = {"pooled train + test": len(spec.train_labels) + len(spec.test_labels)}
+    else:
+        sizes = {"training": len(spec.train_labels), "test": len(spec.test_labels)}
+    largest = min(sizes.values()) // m
+    if K > largest:
+        what = ", ".join(f"{n:,} {name}" for name, n in sizes.items())
+        need = f"{m} samples" if m > 1 else "one sample"
+        raise ConfigError(
+            f"train.num_clients={K:,} is more than data.partition={kind} can give {need} of each split (the dataset has "
+            f"{what} samples); the largest valid value is train.num_clients={largest:,}"
+            + (" (or lower data.min_samples)" if kind == "dirichlet" else "")
+        )
+
+
 def partition(kind: str, spec: PartitionSpec) -> list[ClientSplit]:
+    check_feasible(kind, spec)
     splits = PARTITIONERS.get(kind)(spec)
     if spec.shots > 0:
         splits = few_shot(splits, pooled_labels(spec) if is_pooled(kind) else spec.train_labels, spec.shots, spec.seed)
-    return [ClientSplit(np.sort(s.train).astype(np.int64), np.sort(s.test).astype(np.int64)) for s in splits]
+    out = [ClientSplit(np.sort(s.train).astype(np.int64), np.sort(s.test).astype(np.int64)) for s in splits]
+    no_train = sum(1 for s in out if len(s.train) == 0)
+    no_test = sum(1 for s in out if len(s.test) == 0)
+    if no_train or no_test:
+        raise ConfigError(
+            f"data.partition={kind} with train.num_clients={spec.num_clients:,} leaves {no_train} client(s) with no training "
+            f"sample and {no_test} with no test sample; lower train.num_clients"
+            + (", raise data.beta" if kind in ("dirichlet", "domain", "pfllib") else "") + " or pick another data.partition"
+        )
+    return out
 
 
 def few_shot(splits: list[ClientSplit], labels: np.ndarray, shots: int, seed: int) -> list[ClientSplit]:
@@ -152,7 +195,9 @@ def _dirichlet_split(
     train and test indices of the class are split with the same p. Redraw until every client has
     `min_samples` train and test samples."""
     n_train = sum(len(i) for i in train_idx_by_class)
-    for _ in range(1000):
+    start, draws, best = time.monotonic(), 0, -1
+    while draws < DIRICHLET_MAX_DRAWS and (draws == 0 or time.monotonic() - start < DIRICHLET_MAX_SECONDS):
+        draws += 1
         tr: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
         te: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
         counts = np.zeros(num_clients)
@@ -170,11 +215,15 @@ def _dirichlet_split(
             ClientSplit(np.concatenate(a) if a else np.zeros(0, np.int64), np.concatenate(b) if b else np.zeros(0, np.int64))
             for a, b in zip(tr, te)
         ]
-        if min(min(len(s.train), len(s.test)) for s in splits) >= min_samples:
+        fewest = min(min(len(s.train), len(s.test)) for s in splits)
+        if fewest >= min_samples:
             return splits
+        best = max(best, fewest)
     raise ConfigError(
-        f"partition={what} could not give every client {min_samples} train and test samples in 1000 draws; "
-        f"raise beta, lower num_clients, or lower min_samples."
+        f"data.partition={what} could not give each of {num_clients:,} clients {min_samples} train and test samples in "
+        f"{draws} Dirichlet draws ({time.monotonic() - start:.1f} s; at most {DIRICHLET_MAX_DRAWS} draws or "
+        f"{DIRICHLET_MAX_SECONDS:.0f} s): the best draw left a client {best} sample(s), since a small data.beta gives some "
+        "clients almost none of every class. Raise data.beta, lower train.num_clients, or lower data.min_samples."
     )
 
 
@@ -251,7 +300,10 @@ def pfllib_dirichlet(labels: np.ndarray, num_clients: int, beta: float, least: i
     least `least` samples."""
     N, K = len(labels), int(num_clients)
     classes = np.unique(labels)
-    for _ in range(max_draws):
+    start = time.monotonic()
+    for draw in range(max_draws):
+        if draw and time.monotonic() - start > DIRICHLET_MAX_SECONDS:
+            break
         parts: list[list[np.ndarray]] = [[] for _ in range(K)]
         sizes = np.zeros(K, dtype=np.int64)
         for c in classes:
@@ -266,7 +318,8 @@ def pfllib_dirichlet(labels: np.ndarray, num_clients: int, beta: float, least: i
         if sizes.min() >= least:
             return [np.concatenate(p) for p in parts]
     raise ConfigError(
-        f"partition=pfllib could not give every client {least} samples in {max_draws} Dirichlet draws; "
+        f"partition=pfllib could not give every client {least} samples in {max_draws} Dirichlet draws (or "
+        f"{DIRICHLET_MAX_SECONDS:.0f} s); "
         "raise data.beta, lower train.num_clients, or lower data.min_samples."
     )
 

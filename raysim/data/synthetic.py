@@ -410,9 +410,10 @@ def generate(
         path = Path(os.path.expanduser(cache_dir)) / "synthetic" / f"{params.key()}.pt"
         if path.exists():
             try:
-                from raysim.safeio import safe_load
+                from raysim.safeio import read_regular, safe_load
 
-                blob = safe_load(path)  # plain data only (tensors, numpy arrays, strings): a cache file cannot run code
+                # a regular file, size-capped; plain data only (tensors, numpy arrays, strings): a cache file cannot run code
+                blob = safe_load(read_regular(path, root=path.parent))
                 return SyntheticSplit(**blob["train"]), SyntheticSplit(**blob["test"])
             except Exception:  # a corrupt or partial file: regenerate
                 pass

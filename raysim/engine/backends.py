@@ -112,7 +112,7 @@ class RayBackend:
         import ray
 
         self.ray = ray
-        self.started_ray = init_ray(cfg.execution.address)
+        self.started_ray = init_ray(cfg.execution.address, dashboard=cfg.execution.dashboard)
         resources = ray.cluster_resources()
         cpus, gpus = float(resources.get("CPU", 1)), float(resources.get("GPU", 0))
         client_gpus, server_gpus = cfg.execution.client_gpus, cfg.execution.server_gpus

@@ -90,7 +90,35 @@ def running_local_cluster() -> str:
         return ""
 
 
-def init_ray(address: str = "", *, num_cpus: int | None = None, log_to_driver: bool = True) -> bool:
+LOOPBACK = "127.0.0.1"  # where a cluster raysim starts itself listens (docs/security.md)
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray takes the node's address to be loopback
+
+
+@contextlib.contextmanager
+def _loopback_node() -> Iterator[None]:
+    """While a local cluster starts: Ray 2.60's ray.init turns a node address of 127.0.0.1 into the machine's
+    reachable address unless it is told the cluster is single-machine (its switch for that is the environment
+    variable LOCAL_ONLY_ENV, read into ray_constants.ENABLE_RAY_CLUSTER). Both are set for the start only; the
+    processes started meanwhile inherit the variable, so they too take loopback as the node's address."""
+    try:
+        from ray._private import ray_constants
+    except Exception:  # private Ray API: without it Ray picks the address itself
+        yield
+        return
+    old_env, old_flag = os.environ.get(LOCAL_ONLY_ENV), getattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    os.environ[LOCAL_ONLY_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = old_flag
+        if old_env is None:
+            os.environ.pop(LOCAL_ONLY_ENV, None)
+        else:
+            os.environ[LOCAL_ONLY_ENV] = old_env
+
+
+def init_ray(address: str = "", *, num_cpus: int | None = None, log_to_driver: bool = True, dashboard: bool = False) -> bool:
     """Join or start Ray. `address` "" joins the cluster `ray start --head` runs on this machine when one
     is up (or RAY_ADDRESS's, when set), else starts a local cluster with `num_cpus` (default: every core
     here); "local" (or an explicit `num_cpus`) always starts a new local cluster; "auto" or HOST:PORT joins
@@ -118,7 +146,12 @@ def init_ray(address: str = "", *, num_cpus: int | None = None, log_to_driver: b
                 log.warning("could not join the local Ray cluster at %s (%s); starting a new one", found, e)
         if not address or address == "local":
             system = dict(LOCAL_SYSTEM_CONFIG)  # a copy: Ray writes into the dict it gets
-            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), _system_config=system, **kwargs)
+            # private: every process of the cluster binds to loopback only (Ray's control plane runs code for
+            # whoever reaches it); the dashboard stays off unless execution.dashboard asks for it (on loopback too)
+            kwargs["include_dashboard"] = bool(dashboard)
+            with _loopback_node():
+                ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), _system_config=system,
+                         _node_ip_address=LOOPBACK, **kwargs)
             return True
         try:
             ray.init(address=address, **kwargs)

@@ -70,7 +70,7 @@ class ClientHost:
         self.store = StateStore(out_dir, keep_all_clients=keeps_all_client_states(cfg.output))
         self.private: dict[int, dict[str, Any]] = {}
         self.dirty: set[int] = set()
-        self.participation = self._participation_counts()
+        self._participation: Optional[dict[int, int]] = None  # computed when a calibration first needs it
         from raysim.privacy.host import HostPrivacy
 
         self.privacy = HostPrivacy(dp=self.method.dp, method=self.method, seed=cfg.train.seed, batch_size=cfg.train.batch_size,
@@ -82,7 +82,18 @@ class ClientHost:
                 legacy = {"multiplier": saved.get("sigma"), "ledger": saved.get("ledger")}  # checkpoints before declared releases
                 self.privacy.load(cid, saved.get("privacy", legacy))
 
+    @property
+    def participation(self) -> dict[int, int]:
+        """How many rounds each of the host's clients takes part in (the whole schedule, walked once, lazily:
+        only DP calibration over the participated rounds needs it; every client takes part in every round at
+        participation 1)."""
+        if self._participation is None:
+            self._participation = self._participation_counts()
+        return self._participation
+
     def _participation_counts(self) -> dict[int, int]:
+        if self.cfg.train.participation >= 1.0:
+            return {cid: self.cfg.train.rounds for cid in self.clients}
         sched = schedule(self.cfg.train.seed, self.cfg.train.rounds, self.cfg.train.num_clients, self.cfg.train.participation)
         counts = {cid: 0 for cid in self.clients}
         for part in sched:

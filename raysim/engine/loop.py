@@ -19,7 +19,7 @@ from raysim.errors import ConfigError
 from raysim.metrics import RunLogger, harmonic_mean, summary_table
 from raysim.sampling import eval_clients, participants
 from raysim.storage.runfolder import RunFolder
-from raysim.storage.store import RunLock, StateStore
+from raysim.storage.store import LOCK_NAME, RunLock, StateStore
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +35,33 @@ class RunResult:
         return summary_table([(self.info.get("method", "method"), self.summary)])
 
 
-def eval_rounds(rounds: int, every: int, last: int) -> set[int]:
+@dataclass(frozen=True)
+class EvalSchedule:
+    """Rounds (0-based) after which the clients are evaluated: every `every` rounds plus the last `last`.
+    Computed per round (`r in schedule`), so a run's size costs nothing up front; iterable and comparable
+    to a set for small runs."""
+
+    rounds: int
+    every: int
+    last: int
+
+    def __contains__(self, r: object) -> bool:
+        return isinstance(r, int) and 0 <= r < self.rounds and ((r + 1) % self.every == 0 or r >= self.rounds - self.last)
+
+    def __iter__(self):
+        return (r for r in range(self.rounds) if r in self)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (set, frozenset)):
+            return set(self) == other
+        return isinstance(other, EvalSchedule) and (self.rounds, self.every, self.last) == (other.rounds, other.every, other.last)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def eval_rounds(rounds: int, every: int, last: int) -> EvalSchedule:
     """Rounds (0-based) after which all clients are evaluated: every `every` rounds plus the last `last`."""
-    return {r for r in range(rounds) if (r + 1) % every == 0 or r >= rounds - last}
+    return EvalSchedule(rounds, every, last)
 
 
 def metric_columns(method: Any) -> tuple[str, ...]:
@@ -104,7 +128,13 @@ def run(cfg: RunConfig, *, on_round: Optional[Callable[[dict[str, Any]], None]] 
 
 
 def _run(cfg: RunConfig, out_dir: Path, done: int, on_round: Optional[Callable[[dict[str, Any]], None]]) -> RunResult:
-    method, backend, logger, hparams = _start(cfg, out_dir, done)
+    fresh = not any(p.name != LOCK_NAME for p in out_dir.iterdir())  # a new run: nothing but our lock yet
+    try:
+        method, backend, logger, hparams = _start(cfg, out_dir, done)
+    except BaseException:
+        if fresh:  # a failed start writes nothing: what it wrote (config.yaml, tensorboard/, ...) goes again
+            _remove_all_but_lock(out_dir)
+        raise
     info = {"method": cfg.method, **backend.info}
     store = StateStore(out_dir)
     evals = eval_rounds(cfg.train.rounds, cfg.eval.every, cfg.eval.last)
@@ -128,6 +158,18 @@ def _run(cfg: RunConfig, out_dir: Path, done: int, on_round: Optional[Callable[[
             bar.close()
         backend.shutdown()
     return _finish(cfg, out_dir, logger, hparams, rows, info)
+
+
+def _remove_all_but_lock(out_dir: Path) -> None:
+    import shutil
+
+    for p in out_dir.iterdir():
+        if p.name == LOCK_NAME:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
 
 
 def _start(cfg: RunConfig, out_dir: Path, done: int) -> tuple[Any, Any, RunLogger, dict[str, Any]]:

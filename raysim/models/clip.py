@@ -511,7 +511,8 @@ class CoOpPrompts(nn.Module):
         if ctx_init:  # CoOp's CTX_INIT: start the context from the embeddings of a phrase
             init = tower.tokenize([ctx_init])
             if not bool((tower.meta(tower.tokenize([" ".join(["X"] * n_ctx)])) == tower.meta(init)).all()):
-                raise ConfigError(f"ctx_init {ctx_init!r} must have exactly n_ctx={n_ctx} tokens; change n_ctx or the phrase")
+                phrase = f"{ctx_init[:60]!r}{'...' if len(ctx_init) > 60 else ''}"
+                raise ConfigError(f"ctx_init {phrase} must have exactly n_ctx={n_ctx} tokens; change n_ctx or the phrase")
             self.register_buffer("init_ctx", tower.embed_tokens(init)[0, 1 : 1 + n_ctx].clone(), persistent=False)
 
     def initial_context(self, rng: torch.Generator) -> Tensor:

@@ -16,6 +16,7 @@ The engine writes through the same folder layout (StateStore); nothing here impo
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -24,6 +25,27 @@ from raysim.storage.store import LOCK_NAME, RunLock, StateStore
 
 CONFIG = "config.yaml"
 RESULTS = "results.csv"
+
+
+def check_writable_folder(path: Path, key: str) -> None:
+    """Refuse, in one line naming the path and what to do, a folder that cannot be made or written: a name
+    too long, an existing file, a file on the way, a read-only or forbidden parent."""
+    limit = os.pathconf("/", "PC_NAME_MAX") if hasattr(os, "pathconf") else 255
+    long = next((part for part in path.parts if len(os.fsencode(part)) > limit), None)
+    if long is not None or len(os.fsencode(str(path.absolute()))) > 4000:
+        what = f"a name of {len(os.fsencode(long))} bytes (at most {limit})" if long is not None else "a path over 4,000 bytes"
+        raise ConfigError(f"{key}={str(path)[:80]}... has {what}; choose a shorter output.out_dir")
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{key}={path} is an existing file, not a folder; choose another output.out_dir")
+    d = path
+    while not d.exists():
+        if d.parent == d:
+            break
+        d = d.parent
+    if d != path and not d.is_dir():
+        raise ConfigError(f"{key}={path} lies under {d}, which is a file; choose another output.out_dir")
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={path}: {d} cannot be written (read-only or permission denied); choose another output.out_dir")
 
 
 def flat(cfg: Any) -> dict[str, Any]:
@@ -67,7 +89,7 @@ class RunFolder:
 
     # -- config ------------------------------------------------------------------------------------
     def is_run(self) -> bool:
-        return (self.path / CONFIG).is_file()
+        return os.path.lexists(self.path / CONFIG)  # a link or device there is refused when it is read
 
     @property
     def cfg(self) -> Any:
@@ -78,7 +100,7 @@ class RunFolder:
 
             if not self.is_run():
                 raise ConfigError(f"{self.path} holds no config.yaml; pass the out_dir of a run")
-            self._cfg = build_config(load_yaml(self.path / CONFIG))
+            self._cfg = build_config(load_yaml(self.path / CONFIG, root=self.path))
         return self._cfg
 
     def write_config(self, cfg: Any) -> None:
@@ -117,6 +139,7 @@ class RunFolder:
     def refuse_if_taken(self) -> None:
         """A new run may write here only when the folder is empty (or holds only a stale lock file)."""
         out = self.path
+        check_writable_folder(out, "output.out_dir")
         if out.exists() and any(p.name != LOCK_NAME for p in out.iterdir()):
             holder = RunLock(out).holder()
             if holder is not None:
@@ -144,7 +167,7 @@ class RunFolder:
         from raysim.safeio import load_checked
 
         path = self.store.root / "clients" / str(cid) / f"{round_idx:05d}.pt"
-        return load_checked(path) if path.is_file() else None
+        return load_checked(path, root=self.path) if os.path.lexists(path) else None
 
     def latest_client_state(self, cid: int) -> Optional[dict]:
         """The client's checkpoint of the last completed round it changed in (None: it never took part)."""
@@ -206,7 +229,39 @@ class RunFolder:
         from raysim.metrics import summarize
 
         path = self.path / RESULTS
-        return summarize(path, last=max(1, self.cfg.eval.last)) if path.is_file() else {}
+        if not os.path.lexists(path):
+            return {}
+        return summarize(self.results(), last=max(1, self.cfg.eval.last))
+
+    def results(self) -> Any:
+        """results.csv as a DataFrame of the completed rounds, checked against the run's record of them
+        (state/progress.json): a file cut short, or missing a completed round, is a DataError naming it."""
+        import io
+
+        import pandas as pd
+
+        from raysim.errors import DataError
+        from raysim.safeio import read_regular
+
+        path = self.path / RESULTS
+        raw = read_regular(path, root=self.path)
+        done = self.completed_round()
+        redo = f"resume the run (output.resume={self.path}) to rewrite it, or audit another run"
+        if raw and not raw.endswith(b"\n"):
+            raise DataError(f"{path} is truncated (its last line is cut short); {redo}")
+        try:
+            df = pd.read_csv(io.BytesIO(raw))
+            rounds = pd.to_numeric(df["round"], errors="raise").astype(int)
+        except Exception as e:  # not a CSV of rounds at all
+            raise DataError(f"{path} is not a results table ({type(e).__name__}: {str(e)[:120]}); {redo}") from None
+        missing = sorted(set(range(done + 1)) - set(rounds.tolist()))
+        if missing:
+            shown = ", ".join(str(r) for r in missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise DataError(
+                f"{path} is truncated: the run completed rounds 0 to {done} (state/progress.json) but it has no row for "
+                f"round(s) {shown}; {redo}"
+            )
+        return df[rounds <= done]
 
     # -- the run rebuilt: method, data, client environment ------------------------------------------------
     @property

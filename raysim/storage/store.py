@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from raysim.errors import CheckpointError, RunFolderLocked
-from raysim.safeio import DIGEST_SUFFIX, SAFE_NUMPY, _reason, atomic_save, load_checked, safe_load  # noqa: F401 (re-exported)
+from raysim.safeio import DIGEST_SUFFIX, SAFE_NUMPY, _reason, atomic_save, load_checked, read_regular, safe_load  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -70,15 +70,21 @@ class StateStore:
         if not p.is_file():
             return -1
         try:
-            return int(json.loads(p.read_text())["completed_round"])
+            return int(json.loads(read_regular(p, root=self.root.parent, max_bytes=4096, error=CheckpointError))["completed_round"])
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}; it should read {{\"completed_round\": N}}") from None
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{p} is truncated or corrupted ({_reason(e)}); it should read {{\"completed_round\": N}}") from None
 
     def mark_complete(self, round_idx: int) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".progress.json.tmp{os.getpid()}"
-        tmp.write_text(json.dumps({"completed_round": round_idx}))
-        os.replace(tmp, self.root / "progress.json")
+        try:
+            tmp.write_text(json.dumps({"completed_round": round_idx}))
+            os.replace(tmp, self.root / "progress.json")
+        except BaseException:  # a full disk: the previous progress.json stands, no temporary file is left
+            tmp.unlink(missing_ok=True)
+            raise
 
     # -- server -----------------------------------------------------------------------------
     def save_server(self, round_idx: int, state: dict) -> None:
@@ -124,7 +130,7 @@ class StateStore:
         return [r for r in _versions(self.uploads_dir) if r <= done]
 
     def load_uploads(self, round_idx: int) -> dict:
-        return load_checked(self.uploads_dir / f"{round_idx:05d}.pt")
+        return load_checked(self.uploads_dir / f"{round_idx:05d}.pt", root=self.root.parent)
 
     # -- helpers ----------------------------------------------------------------------------
     @staticmethod
@@ -132,10 +138,9 @@ class StateStore:
         usable = [v for v in _versions(folder) if v <= upto_round]
         return folder / f"{usable[-1]:05d}.pt" if usable else None
 
-    @classmethod
-    def _load_latest(cls, folder: Path, upto_round: int) -> Optional[dict]:
-        path = cls._latest(folder, upto_round)
-        return None if path is None else load_checked(path)
+    def _load_latest(self, folder: Path, upto_round: int) -> Optional[dict]:
+        path = self._latest(folder, upto_round)
+        return None if path is None else load_checked(path, root=self.root.parent)
 
     @staticmethod
     def _prune(folder: Path, keep_from: int) -> None:
@@ -160,7 +165,7 @@ class StateStore:
             bad.append((p, CheckpointError(f"{p} is missing")))
         for p in self.pieces(round_idx):
             try:
-                load_checked(p)
+                load_checked(p, root=self.root.parent)
             except CheckpointError as e:
                 bad.append((p, e))
         return bad

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from raysim.errors import ConfigError
+from raysim.errors import ConfigError, RaysimError, os_error_line
 from raysim.tools.layouts import (  # noqa: F401 (the layouts and what they read live there; re-exported)
     LAYOUTS,
     CompareSpec,
@@ -83,12 +83,16 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
         key, sep, values = item.partition("=")
         if not sep or not key or not values:
             raise ConfigError(f"--grid {item!r}: write key=v1,v2 (for example --grid data.beta=0.1,0.5,1.0)")
-        grid[key.strip()] = [yaml.safe_load(v) for v in values.split(",")]
+        try:
+            grid[key.strip()] = [yaml.safe_load(v) for v in values.split(",")]
+        except (yaml.YAMLError, ValueError, RecursionError) as e:
+            raise ConfigError(f"--grid {item[:60]!r}: a value cannot be read ({str(e)[:120]})") from None
     return grid
 
 
 def spec_from_args(argv: Sequence[str]) -> tuple[CompareSpec, argparse.Namespace]:
     from raysim.config import deep_merge, load_yaml, move_flat_key, move_flat_keys, parse_user_overrides
+    from raysim.config.load import check_sections, expand_dotted_keys
 
     p = argparse.ArgumentParser(prog="raysim compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", default="", help="comma-separated entries: name or name:key=value;key=value")
@@ -121,7 +125,19 @@ def spec_from_args(argv: Sequence[str]) -> tuple[CompareSpec, argparse.Namespace
     # the spec file and the command line are user input: old flat keys are moved into their sections here, once
     grid = {move_flat_key(str(k)): list(v) if isinstance(v, list) else [v] for k, v in (raw.get("grid") or {}).items()}
     grid.update({move_flat_key(k): v for k, v in parse_grid(a.grid).items()})
-    setting = deep_merge(move_flat_keys(dict(raw.get("setting") or {})), parse_user_overrides(a.overrides))
+    raw_setting = raw.get("setting") or {}
+    if not isinstance(raw_setting, dict):
+        raise ConfigError(f"{a.spec}: setting is a mapping of config keys (setting: {{data: {{dataset: digits}}}}), "
+                          f"got {str(raw_setting)[:40]!r}")
+    check_sections(raw_setting, f"{a.spec}: setting")
+    setting = deep_merge(move_flat_keys(expand_dotted_keys(raw_setting)), parse_user_overrides(a.overrides))
+    rounds_given = a.rounds or raw.get("rounds", 0)
+    if "train.rounds" in grid and rounds_given:
+        raise ConfigError(
+            f"compare: --grid train.rounds={','.join(str(v) for v in grid['train.rounds'])} sets each column's rounds, and "
+            f"{'--rounds' if a.rounds else 'the spec' + chr(39) + 's rounds:'} {rounds_given} would override them all under the grid's "
+            "labels; drop one of the two"
+        )
     layout = a.layout or str(raw.get("layout", "in_cross"))
     LAYOUTS.get(layout)  # unknown layout: a ConfigError naming the known ones
     spec = CompareSpec(methods=methods, grid=grid, setting=setting, layout=layout,
@@ -263,9 +279,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{len(runs)} runs, layout {spec.layout}", file=sys.stderr)
             return 0
         records = execute(spec, out, log=lambda s: print(s, file=sys.stderr, flush=True))
-    except ConfigError as e:
+    except RaysimError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(write_outputs(records, spec, out))
+    except OSError as e:  # an unusable --out, a full disk: one line, exit 2
+        print(f"error: {os_error_line(e)}", file=sys.stderr)
+        return 2
+    try:
+        text = write_outputs(records, spec, out)
+    except OSError as e:
+        print(f"error: {os_error_line(e)}", file=sys.stderr)
+        return 2
+    print(text)
     print(f"tables and figures in {out}", file=sys.stderr)
     return 0

@@ -58,6 +58,12 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python raysim/run.py
     except RaysimError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk, a read-only or forbidden folder, a name too long: one line, exit 2
+        from raysim.errors import os_error_line
+
+        where = (cfg.output.out_dir if cfg is not None else "") or ""
+        print(f"error: {os_error_line(e, where, resume=where if cfg is not None else '')}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         where = (cfg.output.out_dir if cfg is not None else "") or "OUT_DIR"
         print(f"interrupted: every completed round is saved; continue with output.resume={where}", file=sys.stderr)

@@ -411,7 +411,7 @@ def run_sweep(spec: Mapping[str, Any], *, restore: Optional[bool] = None, verbos
     storage = Path(spec["storage"]).expanduser().resolve()
     exp_dir = storage / spec["name"]
     _check_experiment_dir(exp_dir, spec["restore"])
-    started = init_ray(base_cfg.execution.address)
+    started = init_ray(base_cfg.execution.address, dashboard=base_cfg.execution.dashboard)
     try:
         tuner = _tuner(spec, base, base_cfg, storage, exp_dir, verbose)
         t0 = time.perf_counter()

@@ -66,6 +66,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except RaysimError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # an unreadable or unwritable run folder, a full disk: one line, exit 2
+        from raysim.errors import os_error_line
+
+        print(f"error: {os_error_line(e)}", file=sys.stderr)
+        return 2
     return 0
 
 
