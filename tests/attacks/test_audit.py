@@ -231,6 +231,7 @@ def test_audit_of_a_prompt_run_runs_the_update_mia_and_gradient_inversion(tmp_pa
 
 
 def _short_proto(folder: Path, cache_dir: str, **output):
+    """A short recorded FedProto run; the keyword arguments are keys of its output section."""
     cfg = tiny_config(folder, cache_dir, method="fedproto", eval={"every": 3},
                       data={"dataset": "digits", "shots": 4, "partition": "dirichlet", "beta": 0.5},
                       train={"num_clients": 2, "batch_size": 32, "lr": 0.05, "rounds": 3}, fedproto={"model_family": "tiny"},
@@ -251,7 +252,7 @@ def test_recorded_runs_keep_every_rounds_client_state_so_the_audit_sees_every_ro
     per_round = per_round_means(res.prototype.mia, ["auc"])["auc"]
     assert res.summary["auc"] == pytest.approx((float(per_round.mean()), float(per_round.std(ddof=0))))
 
-    last = _short_proto(tmp_path / "last", cache_dir, output={"keep_client_states": "last"})  # only what a resume needs
+    last = _short_proto(tmp_path / "last", cache_dir, keep_client_states="last")  # only what a resume needs
     assert StateStore(last).client_rounds(0) == [1, 2]
     res = audit_run(last, fsh=None, max_per_class=10, progress=False, write=False)
     assert res.prototype is not None and res.prototype.rounds == [1, 2]
