@@ -1,6 +1,6 @@
 """Membership inference by an honest-but-curious server (fedsept.txt section 5.5, SPEC 1.12).
 
-The server's view is a run recorded with `record_uploads=true` (out_dir/uploads/ROUND.pt: every
+The server's view is a run recorded with `output.record_uploads=true` (out_dir/uploads/ROUND.pt: every
 client's upload and the broadcast state it started from). Two logistic-regression attackers:
 
 - update-only: per (round, client) features of the uploaded shared tensor: ||upload - pre||_2, the
@@ -122,7 +122,7 @@ def recorded_update_features(run_dir: str | Path | RunFolder) -> dict[int, dict[
     run = run_dir if isinstance(run_dir, RunFolder) else RunFolder(run_dir)
     rounds = run.upload_rounds()
     if not rounds:
-        raise ConfigError(f"run {run_dir} was not recorded: rerun with record_uploads=true")
+        raise ConfigError(f"run {run_dir} was not recorded: rerun with output.record_uploads=true")
     seen: dict[int, list[tuple[int, np.ndarray, np.ndarray]]] = {}
     for r in rounds:
         record = run.uploads(r)
@@ -392,7 +392,7 @@ def markdown(df: pd.DataFrame) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m raysim.attacks.update_mia", description=__doc__.split("\n")[0])
-    ap.add_argument("run_dir", help="out_dir of a run made with record_uploads=true")
+    ap.add_argument("run_dir", help="out_dir of a run made with output.record_uploads=true")
     ap.add_argument("--targets", type=int, nargs="*", default=None, help="target clients (default: all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--nonmembers", choices=NONMEMBERS, default="other_clients",

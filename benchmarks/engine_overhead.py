@@ -73,30 +73,26 @@ def main(argv=None) -> int:
     ap.add_argument("--partition", default="iid")
     args = ap.parse_args(argv)
 
+    from raysim.config import merge_config
     from raysim.config.checks import build_config
 
     tmp = Path(tempfile.mkdtemp(prefix="raysim-bench-"))
-    common = dict(
-        method="promptfl",
-        dataset=args.dataset,
-        pretrained=args.pretrained if args.pretrained is not None else ("bundled" if args.model == "raysim-clip" else ""),
-        partition=args.partition,
-        beta=0.5,
-        shots=0,
-        min_samples=5,
-        num_clients=args.clients,
-        participation=args.participation,
-        rounds=args.rounds,
-        model=args.model,
-        eval_every=10**6,
-        eval_last=0,
-        progress=False,
-        tensorboard=False,
-        cache_dir=str(tmp / "cache"),
-    )
-    plain = plain_loop(build_config(dict(common, backend="inline", out_dir=str(tmp / "plain"))), args.rounds)
-    inline = engine_loop(build_config(dict(common, backend="inline", out_dir=str(tmp / "inline"))))
-    ray_t = engine_loop(build_config(dict(common, backend="ray", num_actors=args.actors, out_dir=str(tmp / "ray"))))
+    common = {
+        "method": "promptfl",
+        "data": {"dataset": args.dataset, "partition": args.partition, "beta": 0.5, "shots": 0, "min_samples": 5},
+        "model": {"name": args.model,
+                  "pretrained": args.pretrained if args.pretrained is not None else ("bundled" if args.model == "raysim-clip" else "")},
+        "train": {"num_clients": args.clients, "participation": args.participation, "rounds": args.rounds},
+        "eval": {"every": 10**6, "last": 0},
+        "output": {"progress": False, "tensorboard": False, "cache_dir": str(tmp / "cache")},
+    }
+
+    def config(backend: str, out: str, **execution):
+        return build_config(merge_config(common, {"execution": {"backend": backend, **execution}, "output": {"out_dir": str(tmp / out)}}))
+
+    plain = plain_loop(config("inline", "plain"), args.rounds)
+    inline = engine_loop(config("inline", "inline"))
+    ray_t = engine_loop(config("ray", "ray", num_actors=args.actors))
     # the first round warms caches (allocator, lazy imports): report the median of the rest
     med = lambda xs: statistics.median(xs[1:] if len(xs) > 1 else xs)  # noqa: E731
     p, i, r = med(plain), med(inline), med(ray_t)

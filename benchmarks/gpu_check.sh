@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of the FedSEPT issue, as one script (a GPU machine is lent only to some sessions):
 #   1. fedsept_efficiency.py at ViT-B/16 size on the GPU, in this process;
-#   2. the same benchmark in 4 Ray actors sharing the GPU (0.25 GPU each, as client_gpus=0.25 does);
+#   2. the same benchmark in 4 Ray actors sharing the GPU (0.25 GPU each, as execution.client_gpus=0.25 does);
 #   3. a FedSEPT federation (ViT-B-16, random weights, synthetic data at 224 px) with 4 client actors on
 #      0.25 GPU each, both routers;
 #   0. first, the text-tower fast paths (gpu_paths.py: s/step of PromptFL and FedSEPT at ViT-B-16 size, random
@@ -22,8 +22,8 @@ if [ -n "${PATHS_ONLY:-}" ]; then exit 0; fi
 python benchmarks/fedsept_efficiency.py --device cuda --classes 10 --batch 32 | tee "$OUT/efficiency_cuda.md"
 python benchmarks/fedsept_efficiency.py --actors 4 --actor-gpus 0.25 --classes 10 --batch 32 | tee "$OUT/efficiency_4actors.md"
 for router in pooled patch; do
-  python raysim/run.py method=fedsept model=ViT-B-16 pretrained= dataset=synthetic device=cuda backend=ray \
-    num_actors=4 client_gpus=0.25 rounds=3 eval_every=3 progress=false tensorboard=false \
-    fedsept.router=$router cache_dir="$OUT/cache" out_dir="$OUT/run-$router" | tee "$OUT/run-$router.md"
+  python raysim/run.py method=fedsept model.name=ViT-B-16 model.pretrained= data.dataset=synthetic execution.device=cuda execution.backend=ray \
+    execution.num_actors=4 execution.client_gpus=0.25 train.rounds=3 eval.every=3 output.progress=false output.tensorboard=false \
+    fedsept.router=$router output.cache_dir="$OUT/cache" output.out_dir="$OUT/run-$router" | tee "$OUT/run-$router.md"
   cp "$OUT/run-$router/results.csv" "$OUT/results-$router.csv"
 done

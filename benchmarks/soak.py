@@ -77,25 +77,28 @@ def main(argv=None) -> int:
     ap.add_argument("--actors", type=int, default=2, help="backend=ray: client actors")
     ap.add_argument("--out", default="", help="run folder (default: a temporary one, removed at the end)")
     ap.add_argument("--cache-dir", default="~/.cache/raysim")
-    ap.add_argument("overrides", nargs="*", metavar="key=value", help="more config keys (method=, dataset=, ...)")
+    ap.add_argument("overrides", nargs="*", metavar="key=value", help="more config keys (method=, data.dataset=, ...)")
     a = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-    from raysim.config import merge_config, parse_overrides
+    from raysim.config import merge_config, parse_user_overrides
     from raysim.config.checks import build_config
     from raysim.engine.loop import run
     from raysim.metrics import markdown_table
 
     tmp = None if a.out else tempfile.TemporaryDirectory(prefix="raysim-soak-")
     out = Path(a.out or tmp.name) / "run"
-    values = dict(
-        method="promptfl", dataset="digits", model="raysim-tiny", pretrained="", n_ctx=4, partition="iid", shots=0,
-        num_clients=a.clients, participation=a.participation, rounds=a.rounds, batch_size=8,
-        eval_every=a.every, eval_last=1, backend=a.backend, num_actors=a.actors if a.backend == "ray" else 0,
-        progress=False, tensorboard=True, cache_dir=a.cache_dir, out_dir=str(out),
-    )
-    cfg = build_config(merge_config(values, parse_overrides(a.overrides)))
+    values = {
+        "method": "promptfl",
+        "data": {"dataset": "digits", "partition": "iid", "shots": 0},
+        "model": {"name": "raysim-tiny", "pretrained": ""},
+        "train": {"n_ctx": 4, "num_clients": a.clients, "participation": a.participation, "rounds": a.rounds, "batch_size": 8},
+        "eval": {"every": a.every, "last": 1},
+        "execution": {"backend": a.backend, "num_actors": a.actors if a.backend == "ray" else 0},
+        "output": {"progress": False, "tensorboard": True, "cache_dir": a.cache_dir, "out_dir": str(out)},
+    }
+    cfg = build_config(merge_config(values, parse_user_overrides(a.overrides)))
     print(f"soak: {cfg.method} on {cfg.data.dataset}, {cfg.train.num_clients} clients x {cfg.train.rounds} rounds, participation "
           f"{cfg.train.participation}, backend={cfg.execution.backend}"
           + (f" ({cfg.execution.num_actors} actors)" if cfg.execution.backend == "ray" else "")

@@ -58,7 +58,7 @@ TOL = 1e-5  # the same float32 computation in every loop; only summation order c
 
 
 def workload(args: argparse.Namespace, cache: str) -> dict[str, Any]:
-    """raysim's flat config of the peer workload (every loop builds its config from this)."""
+    """raysim's config of the peer workload (every loop builds its config from this)."""
     return {
         "method": "promptfl",
         "data": {"dataset": "digits", "partition": "iid", "shots": 0},

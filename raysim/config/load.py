@@ -6,6 +6,10 @@ release's flat keys (`rounds=5`, `dp.vpp_rho=0.3`) are moved into their sections
 once, where user input enters: config files (`load_config_file`), command-line overrides
 (`parse_user_overrides`), sweep and compare spec files, and the `build_config(values)` front door.
 Internal code writes sectioned keys and merges with `merge_config` (a deep merge, no shim).
+
+`RAYSIM_FLAT_KEYS=error` in the environment turns the shim into a check: an old key raises `ConfigError`
+naming its new place instead of being moved (the test suite runs so, to prove the repository's own files
+and tests use sectioned keys). Unset, or `warn`, the old keys are moved with one message each.
 """
 
 from __future__ import annotations
@@ -209,10 +213,25 @@ def load_yaml(path: str | Path, *, root: str | Path | None = None) -> dict[str, 
     return data
 
 
+FLAT_KEYS_ENV = "RAYSIM_FLAT_KEYS"
+FLAT_KEY_MODES = ("warn", "error")
+
+
+def flat_key_mode() -> str:
+    """What the shim does with an old key: "warn" (move it, one message per key; the default) or "error"
+    (refuse it), from the environment variable RAYSIM_FLAT_KEYS."""
+    mode = os.environ.get(FLAT_KEYS_ENV, "").strip().lower() or "warn"
+    if mode not in FLAT_KEY_MODES:
+        raise ConfigError(f"{FLAT_KEYS_ENV}={mode!r} is not one of {', '.join(FLAT_KEY_MODES)}")
+    return mode
+
+
 def move_flat_keys(values: Mapping[str, Any], _prefix: str = "") -> dict[str, Any]:
     """The previous release's keys (`rounds=5`, `model=ViT-B-16`, `dp.vpp_rho=0.3`) moved to their place now,
     with one deprecation message per key. Entries apply in order, so of an old key and its new key in one
-    mapping the later one wins (a flat key set on a loaded config overrides it). Run it once, on user input."""
+    mapping the later one wins (a flat key set on a loaded config overrides it). Run it once, on user input.
+    Under RAYSIM_FLAT_KEYS=error an old key raises ConfigError instead."""
+    refuse = flat_key_mode() == "error"
     out: dict[str, Any] = {}
     for key, value in values.items():
         full = _prefix + str(key)
@@ -222,6 +241,9 @@ def move_flat_keys(values: Mapping[str, Any], _prefix: str = "") -> dict[str, An
                 value = move_flat_keys(value, full + ".")
             out = deep_merge(out, {key: value})
             continue
+        if refuse:
+            raise ConfigError(f"config key {full!r} is now {new!r}; write {new}=... "
+                              f"(old keys are refused because {FLAT_KEYS_ENV}=error)")
         if full not in _WARNED:
             _WARNED.add(full)
             log.warning("config key %r is now %r; the old name works in this release and will be refused in the next", full, new)

@@ -39,8 +39,8 @@ COOP_SPLITS_URL = "https://github.com/KaiyangZhou/CoOp/blob/main/DATASETS.md"
 # dataset name -> the layout it expects under DATA_ROOT (quoted in errors and in the README)
 LAYOUTS: dict[str, str] = {
     "cifar10": "DATA_ROOT/cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta} "
-    "(torchvision pickles; or pass download=true)",
-    "cifar100": "DATA_ROOT/cifar-100-python/{train,test,meta} (torchvision pickles; or pass download=true)",
+    "(torchvision pickles; or pass data.download=true)",
+    "cifar100": "DATA_ROOT/cifar-100-python/{train,test,meta} (torchvision pickles; or pass data.download=true)",
     "caltech101": "DATA_ROOT/caltech-101/101_ObjectCategories/<class>/*.jpg and "
     "DATA_ROOT/caltech-101/split_zhou_Caltech101.json",
     "oxford_pets": "DATA_ROOT/oxford_pets/images/*.jpg and DATA_ROOT/oxford_pets/split_zhou_OxfordPets.json",
@@ -155,7 +155,7 @@ def _load_cifar(name: str, spec: LoadSpec) -> DatasetBundle:
     root = _root(spec)
     folder = os.path.join(root, cls.base_folder)
     if not spec.download and not os.path.isdir(folder):
-        raise _missing(name, f"folder {folder} not found", f"Put it under {root} or pass download=true.")
+        raise _missing(name, f"folder {folder} not found", f"Put it under {root} or pass data.download=true.")
     parts = {}
     try:
         for split in ("train", "test"):
@@ -164,7 +164,7 @@ def _load_cifar(name: str, spec: LoadSpec) -> DatasetBundle:
         raise _missing(
             name,
             f"{folder} is incomplete or corrupted ({e})",
-            "Re-extract the official archive there or pass download=true.",
+            "Re-extract the official archive there or pass data.download=true.",
         ) from e
     except Exception as e:  # download failures (no network), unreadable pickles
         raise _missing(name, f"could not read or download {folder}: {type(e).__name__}: {e}") from e

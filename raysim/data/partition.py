@@ -147,7 +147,7 @@ def pathological_class_counts(num_classes: int, num_clients: int) -> tuple[list[
         raise ConfigError(
             f"partition=pathological gives every client its own classes, so it needs at least one class per "
             f"client; {C} classes cannot be split over {K} clients (lower num_clients to at most {C}, "
-            f"or use partition=dirichlet)."
+            f"or use data.partition=dirichlet)."
         )
     per = max(1, int(round(C / K)))
     if per * (K - 1) < C:

@@ -96,7 +96,7 @@ class ClientPolicy:
             f = failed[0]
             raise ClientFailure(
                 f"client {f.client_id} failed in round {round_idx}: {f.error}. on_client_error=fail stops the run; "
-                f"fix the client or set on_client_error=drop to leave failing clients out of their round ({resume})",
+                f"fix the client or set execution.on_client_error=drop to leave failing clients out of their round ({resume})",
                 client_id=f.client_id, round_idx=round_idx, error=f.error,
             )
         left = len(reports) - len(failed)

@@ -113,8 +113,6 @@ class ClientHost:
             self.private[cid] = initial_private(self.method, self.env, self.data[cid], self.cfg.train.seed)
         return self.private[cid]
 
-    _private = private_state  # the name tests and older callers use
-
     def update_private(self, cid: int, state: dict[str, Any]) -> None:
         """The client's new private state after its round: kept, and checkpointed at the next `commit`."""
         self.private[cid] = state

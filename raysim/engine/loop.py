@@ -193,7 +193,7 @@ def _start(cfg: RunConfig, out_dir: Path, done: int) -> tuple[Any, Any, RunLogge
     backend = BACKENDS[cfg.execution.backend](cfg, data, str(out_dir), done)
     devices = " ".join(backend.info.get("devices", ["cpu"]))
     if cfg.execution.client_gpus > 0 and cfg.execution.backend != "ray" and "cuda" not in devices:  # ray says it itself
-        log.warning("client_gpus=%s but no GPU is visible: running on CPU", cfg.execution.client_gpus)
+        log.warning("execution.client_gpus=%s but no GPU is visible: running on CPU", cfg.execution.client_gpus)
     return method, backend, logger, hparams
 
 

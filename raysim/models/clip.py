@@ -118,7 +118,7 @@ def load_clip(spec: ModelSpec, device: str | torch.device = "cpu") -> OpenClipMo
         )
     if pretrained == BUNDLED_TAG:
         if spec.model != BUNDLED_MODEL:
-            raise ConfigError(f"pretrained={BUNDLED_TAG} names this project's own {BUNDLED_MODEL} weights; use model={BUNDLED_MODEL}")
+            raise ConfigError(f"model.pretrained={BUNDLED_TAG} is this project's {BUNDLED_MODEL} weights; use model.name={BUNDLED_MODEL}")
         from raysim.models.bundled import bundled_checkpoint
 
         pretrained = str(bundled_checkpoint(spec.cache_dir))
@@ -150,7 +150,7 @@ def load_clip(spec: ModelSpec, device: str | torch.device = "cpu") -> OpenClipMo
             if pretrained and not Path(pretrained).is_file():
                 raise DataError(
                     f"could not load open_clip weights {spec.model}/{pretrained} ({e.__class__.__name__}: {e}). "
-                    "Without internet, download the checkpoint elsewhere and pass pretrained=/path/to/file.pt."
+                    "Without internet, download the checkpoint elsewhere and pass model.pretrained=/path/to/file.pt."
                 ) from None
             raise
     model.eval().requires_grad_(False)
@@ -163,12 +163,12 @@ def pretrain_folder_checkpoint(folder: Path, model: str) -> Path:
 
     if not (folder / bundled.META).is_file() or not (folder / bundled.CHECKPOINT).is_file():
         raise DataError(
-            f"pretrained={folder} is a folder but not one written by `raysim pretrain` "
+            f"model.pretrained={folder} is a folder but not one written by `raysim pretrain` "
             f"(no {bundled.META} and {bundled.CHECKPOINT}); pass a checkpoint file or such a folder"
         )
     name = bundled.register(folder)
     if model != name:
-        raise ConfigError(f"pretrained={folder} holds a {name} model; pass model={name}")
+        raise ConfigError(f"model.pretrained={folder} holds a {name} model; pass model.name={name}")
     return folder / bundled.CHECKPOINT
 
 
@@ -596,5 +596,5 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device=cuda but no GPU is visible here; use device=auto or device=cpu")
+        raise ConfigError("execution.device=cuda but no GPU is visible here; use execution.device=auto or execution.device=cpu")
     return torch.device(device)

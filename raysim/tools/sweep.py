@@ -95,7 +95,7 @@ def validate_sweep(spec: Mapping[str, Any]) -> dict[str, Any]:
     out["base"], out["space"] = base, clean_space
     _check_objective(out)
     if out["asha"] is not None:
-        swept = _space_values(clean_space, "rounds") + _space_values(clean_space, "train.rounds")
+        swept = _space_values(clean_space, "train.rounds")  # swept keys are at their sectioned place by now
         rounds = max([cfg.train.rounds] + [int(v) for v in swept])
         out["asha"] = _check_asha(out["asha"], rounds)
     _check_run_keys(out)

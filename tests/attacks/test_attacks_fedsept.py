@@ -33,9 +33,10 @@ def records(out_dir) -> dict[int, dict]:
 
 
 def test_record_uploads_writes_the_declared_uploads_the_same_on_any_pool(tmp_path, cache_dir):
-    base = dict(rounds=2, n_ctx=4, participation=0.5, eval_every=2)
-    one = records(run(tiny_config(tmp_path / "one", cache_dir, record_uploads=True, **base)).out_dir)
-    two = records(run(tiny_config(tmp_path / "two", cache_dir, record_uploads=True, num_actors=2, **base)).out_dir)
+    base = dict(train={"rounds": 2, "n_ctx": 4, "participation": 0.5}, eval={"every": 2})
+    one = records(run(tiny_config(tmp_path / "one", cache_dir, output={"record_uploads": True}, **base)).out_dir)
+    two = records(run(tiny_config(tmp_path / "two", cache_dir, output={"record_uploads": True}, execution={"num_actors": 2},
+                                  **base)).out_dir)
     off = run(tiny_config(tmp_path / "off", cache_dir, **base)).out_dir
     assert not (off / "uploads").exists()
     assert sorted(one) == sorted(two) == [0, 1]
@@ -122,8 +123,8 @@ def test_own_test_nonmembers_are_the_targets_unseen_samples_of_its_classes():
 def fedsept_run(tmp_path_factory, cache_dir):
     """Three recorded FedSEPT rounds whose personalised models fit their own few-shot data."""
     cfg = tiny_config(
-        tmp_path_factory.mktemp("fedsept-mia"), cache_dir, method="fedsept", record_uploads=True, rounds=3, n_ctx=4,
-        local_epochs=3, fedsept={"rank": 8},
+        tmp_path_factory.mktemp("fedsept-mia"), cache_dir, method="fedsept", output={"record_uploads": True},
+        train={"rounds": 3, "n_ctx": 4, "local_epochs": 3}, fedsept={"rank": 8},
     )
     return run(cfg).out_dir
 

@@ -150,9 +150,9 @@ FAST_FSH = FSHConfig(max_steps=10, patience=5, min_steps=5, classes=2)
 
 
 def _fedproto(folder: Path, cache_dir: str, **dp):
-    cfg = tiny_config(folder, cache_dir, method="fedproto", record_uploads=True, rounds=2, eval_every=1,
+    cfg = tiny_config(folder, cache_dir, method="fedproto", output={"record_uploads": True}, eval={"every": 1},
                       data={"dataset": "digits", "shots": 0, "partition": "dirichlet", "beta": 0.5},
-                      train={"batch_size": 32, "lr": 0.05}, fedproto={"model_family": "tiny"}, dp=dp)
+                      train={"batch_size": 32, "lr": 0.05, "rounds": 2}, fedproto={"model_family": "tiny"}, dp=dp)
     return run(cfg).out_dir
 
 
@@ -209,7 +209,8 @@ def test_audit_of_a_folder_of_runs_tabulates_and_plots_against_epsilon(proto_run
 
 
 def test_audit_of_a_prompt_run_runs_the_update_mia_and_gradient_inversion(tmp_path, cache_dir):
-    out = run(tiny_config(tmp_path / "pfl", cache_dir, record_uploads=True, rounds=2, n_ctx=4, dp={"epsilon": 1.0})).out_dir
+    out = run(tiny_config(tmp_path / "pfl", cache_dir, output={"record_uploads": True}, train={"rounds": 2, "n_ctx": 4},
+                          dp={"epsilon": 1.0})).out_dir
     budget = GIABudget(images=2, iterations=3, clients=1, rounds="all")  # a tiny budget: the wiring, not the attack's strength
     res = audit_run(out, progress=False, gia=budget)
     assert res.family == "update" and res.ldp == "DPSGD"
@@ -230,9 +231,10 @@ def test_audit_of_a_prompt_run_runs_the_update_mia_and_gradient_inversion(tmp_pa
 
 
 def _short_proto(folder: Path, cache_dir: str, **output):
-    cfg = tiny_config(folder, cache_dir, method="fedproto", rounds=3, eval_every=3,
+    """A short recorded FedProto run; the keyword arguments are keys of its output section."""
+    cfg = tiny_config(folder, cache_dir, method="fedproto", eval={"every": 3},
                       data={"dataset": "digits", "shots": 4, "partition": "dirichlet", "beta": 0.5},
-                      train={"num_clients": 2, "batch_size": 32, "lr": 0.05}, fedproto={"model_family": "tiny"},
+                      train={"num_clients": 2, "batch_size": 32, "lr": 0.05, "rounds": 3}, fedproto={"model_family": "tiny"},
                       output={"record_uploads": True, **output})
     return run(cfg).out_dir
 
@@ -327,7 +329,7 @@ def test_audit_of_a_vpdr_run_writes_the_ledger_and_the_attacks(tmp_path, cache_d
 
 
 def test_a_run_without_recorded_uploads_says_how_to_record_one(tmp_path, cache_dir, capsys):
-    out = run(tiny_config(tmp_path / "plain", cache_dir, rounds=1, n_ctx=4)).out_dir
+    out = run(tiny_config(tmp_path / "plain", cache_dir, train={"rounds": 1, "n_ctx": 4})).out_dir
     assert main([str(out)]) == 2
     err = capsys.readouterr().err
     assert "no recorded uploads" in err and "output.record_uploads=true" in err

@@ -28,7 +28,7 @@ def hosts(tmp_path, cache_dir, *, dp=0.0, sampling="poisson", **extra):
     out = []
     execution = extra.pop("execution", {})
     for batch in (False, True):
-        values = dict(num_clients=CLIENTS, batch_size=8, shots=0, partition="dirichlet", beta=0.5, n_ctx=4,
+        values = dict(train={"num_clients": CLIENTS, "batch_size": 8, "n_ctx": 4}, data={"shots": 0, "partition": "dirichlet", "beta": 0.5},
                       execution={"batch_clients": batch, **execution}, **extra)
         if dp:
             values["dp"] = {"epsilon": dp, "sampling": sampling}
@@ -211,8 +211,9 @@ def test_engine_batched_equals_client_by_client_inline_and_on_ray(tmp_path, cach
     from raysim.storage.store import StateStore
 
     def go(tag, **extra):
-        cfg = tiny_config(tmp_path / tag, cache_dir, num_clients=8, rounds=2, batch_size=8, shots=0, partition="dirichlet",
-                          beta=0.5, n_ctx=4, output={"record_uploads": True}, eval={"every": 100, "last": 0},
+        cfg = tiny_config(tmp_path / tag, cache_dir, train={"num_clients": 8, "rounds": 2, "batch_size": 8, "n_ctx": 4},
+                          data={"shots": 0, "partition": "dirichlet", "beta": 0.5}, output={"record_uploads": True},
+                          eval={"every": 100, "last": 0},
                           **{"dp": {"epsilon": 4.0}}, **extra)
         out = run(cfg).out_dir
         with open(out / "results.csv") as f:

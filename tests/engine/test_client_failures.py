@@ -33,11 +33,12 @@ def flaky():
 
 
 def config(tmp_path, cache_dir, mode, **extra):
+    from raysim.config import merge_config
+
     values = dict(method="flaky", flaky={"client": FAILING, "round": ROUND, "mode": mode, "sleep": SLEEP})
     if mode == "sleep":
-        values["client_timeout"] = TIMEOUT
-    values.update(extra)
-    return tiny_config(tmp_path, cache_dir, **values)
+        values["execution"] = {"client_timeout": TIMEOUT}
+    return tiny_config(tmp_path, cache_dir, **merge_config(values, extra))
 
 
 def rows(path):
@@ -57,7 +58,7 @@ def test_fail_stops_the_run_naming_the_client(tmp_path, cache_dir, mode, backend
     from raysim.engine.loop import run
     from raysim.storage.store import StateStore
 
-    extra = dict(backend="ray", num_actors=2) if backend == "ray" else {}
+    extra = dict(execution={"backend": "ray", "num_actors": 2}) if backend == "ray" else {}
     if backend == "ray":
         request.getfixturevalue("ray_session")
     cfg = config(tmp_path, cache_dir, mode, **extra)
@@ -75,9 +76,10 @@ def test_fail_on_the_command_line_is_one_message_and_exit_2(tmp_path, cache_dir,
     from raysim.run import main
 
     out = tmp_path / "cli"
-    args = ["method=flaky", f"flaky.client={FAILING}", f"flaky.round={ROUND}", "dataset=digits", "model=raysim-tiny",
-            "pretrained=", "ctx_init=", "num_clients=4", "rounds=3", "shots=8", "batch_size=16", "backend=inline",
-            "progress=false", "tensorboard=false", f"cache_dir={cache_dir}", f"out_dir={out}"]
+    args = ["method=flaky", f"flaky.client={FAILING}", f"flaky.round={ROUND}", "data.dataset=digits", "model.name=raysim-tiny",
+            "model.pretrained=", "train.ctx_init=", "train.num_clients=4", "train.rounds=3", "data.shots=8", "train.batch_size=16",
+            "execution.backend=inline", "output.progress=false", "output.tensorboard=false", f"output.cache_dir={cache_dir}",
+            f"output.out_dir={out}"]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert f"error: client {FAILING} failed in round {ROUND}: RuntimeError: flaky client {FAILING} broke" in err
@@ -85,9 +87,10 @@ def test_fail_on_the_command_line_is_one_message_and_exit_2(tmp_path, cache_dir,
 
 
 def _drop_run(tmp_path, cache_dir, mode, **extra):
+    from raysim.config import merge_config
     from raysim.engine.loop import run
 
-    cfg = config(tmp_path, cache_dir, mode, on_client_error="drop", dp={"epsilon": 8.0}, **extra)
+    cfg = config(tmp_path, cache_dir, mode, **merge_config({"execution": {"on_client_error": "drop"}, "dp": {"epsilon": 8.0}}, extra))
     result = run(cfg)
     return cfg, result, rows(result.out_dir / "results.csv"), rows(result.out_dir / "client_results.csv")
 
@@ -96,7 +99,7 @@ def _drop_run(tmp_path, cache_dir, mode, **extra):
 def test_drop_leaves_the_client_out_of_its_round_identically_inline_and_on_ray(tmp_path, cache_dir, mode, ray_session):
     from raysim.storage.store import StateStore
 
-    cfg, result, results, clients = _drop_run(tmp_path / "inline", cache_dir, mode, tensorboard=True)
+    cfg, result, results, clients = _drop_run(tmp_path / "inline", cache_dir, mode, output={"tensorboard": True})
     assert [int(r["dropped"]) for r in results] == [0, 1, 0]
     assert [int(r["participants"]) for r in results] == [4, 4, 4]
     assert [row["dropped"] for row in result.rounds] == [0, 1, 0]
@@ -123,7 +126,7 @@ def test_drop_leaves_the_client_out_of_its_round_identically_inline_and_on_ray(t
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("clients/dropped")] == [(0, 0.0), (1, 1.0), (2, 0.0)]
     # the same seed drops the same client on Ray, with the same numbers
-    _, _, ray_results, ray_clients = _drop_run(tmp_path / "ray", cache_dir, mode, backend="ray", num_actors=2)
+    _, _, ray_results, ray_clients = _drop_run(tmp_path / "ray", cache_dir, mode, execution={"backend": "ray", "num_actors": 2})
     assert ray_results == results
     assert ray_clients == clients
 
@@ -131,14 +134,14 @@ def test_drop_leaves_the_client_out_of_its_round_identically_inline_and_on_ray(t
 def test_drop_stops_below_min_clients(tmp_path, cache_dir):
     from raysim.engine.loop import run
 
-    cfg = config(tmp_path, cache_dir, "raise", on_client_error="drop", min_clients=4)
+    cfg = config(tmp_path, cache_dir, "raise", execution={"on_client_error": "drop", "min_clients": 4})
     with pytest.raises(ClientFailure, match=rf"round {ROUND}: 1 of 4 clients failed and were dropped, leaving 3, "
                                             rf"fewer than min_clients=4 \(client {FAILING}: RuntimeError"):
         run(cfg)
     assert [int(r["round"]) for r in rows(run_dir(cfg) / "results.csv")] == [0]
     # every client failing leaves none, fewer than the default min_clients=1
-    cfg = config(tmp_path / "all", cache_dir, "raise", on_client_error="drop", flaky={"client": 0, "round": 0},
-                 num_clients=1, participation=1.0)
+    cfg = config(tmp_path / "all", cache_dir, "raise", execution={"on_client_error": "drop"},
+                 train={"num_clients": 1, "participation": 1.0}, flaky={"client": 0, "round": 0})
     with pytest.raises(ClientFailure, match="leaving 0, fewer than min_clients=1"):
         run(cfg)
 
@@ -150,16 +153,17 @@ def test_a_run_stopped_under_fail_resumes_under_drop_as_a_fresh_drop_run(tmp_pat
     with pytest.raises(ClientFailure):
         run(cfg)
     resumed = run(resume_config(cfg.output.out_dir, {"execution": {"on_client_error": "drop"}}))
-    fresh = run(config(tmp_path / "fresh", cache_dir, "raise", on_client_error="drop"))
+    fresh = run(config(tmp_path / "fresh", cache_dir, "raise", execution={"on_client_error": "drop"}))
     assert rows(resumed.out_dir / "results.csv") == rows(fresh.out_dir / "results.csv")
     assert rows(resumed.out_dir / "client_results.csv") == rows(fresh.out_dir / "client_results.csv")
 
 
 @pytest.mark.parametrize("bad, message", [
-    ({"on_client_error": "retry"}, "on_client_error must be one of fail, drop, got 'retry'"),
-    ({"client_timeout": -1}, "client_timeout is in seconds and must be >= 0"),
-    ({"min_clients": 0}, "min_clients must be between 1 and the 4 clients sampled per round"),
-    ({"min_clients": 3, "participation": 0.5}, r"between 1 and the 2 clients sampled per round \(num_clients=4 x participation=0.5\)"),
+    ({"execution": {"on_client_error": "retry"}}, "on_client_error must be one of fail, drop, got 'retry'"),
+    ({"execution": {"client_timeout": -1}}, "client_timeout is in seconds and must be >= 0"),
+    ({"execution": {"min_clients": 0}}, "min_clients must be between 1 and the 4 clients sampled per round"),
+    ({"execution": {"min_clients": 3}, "train": {"participation": 0.5}},
+     r"between 1 and the 2 clients sampled per round \(num_clients=4 x participation=0.5\)"),
 ])
 def test_policy_keys_are_validated(tmp_path, cache_dir, bad, message):
     with pytest.raises(ConfigError, match=message):

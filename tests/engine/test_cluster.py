@@ -17,8 +17,9 @@ from raysim.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def cfg(**values):
-    return build_config({"num_clients": 10, **values})
+def cfg(**execution):
+    """Ten clients; the keyword arguments are the execution section's keys."""
+    return build_config({"train": {"num_clients": 10}, "execution": execution})
 
 
 def test_plan_hosts():
@@ -44,7 +45,7 @@ def test_tune_reserves_the_hosts_the_backend_plans():
 
     for values in ({"num_actors": 3}, {"num_actors": 30}, {"placement": "actor_per_client"}):
         plan = plan_hosts(cfg(backend="ray", **values), 8, 0)
-        bundles = trial_bundles({"num_clients": 10, **values}, cluster={"CPU": 8.0})
+        bundles = trial_bundles({"train": {"num_clients": 10}, "execution": values}, cluster={"CPU": 8.0})
         assert len(bundles) == 1 + len(plan)  # the trial driver, then one per client host
 
 

@@ -25,7 +25,7 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_overrides_are_typed_and_nested():
-    o = parse_overrides(["rounds=5", "dp.epsilon=inf", "lr=1e-3", "method=promptfl", "progress=false"])
+    o = parse_overrides(["train.rounds=5", "dp.epsilon=inf", "train.lr=1e-3", "method=promptfl", "output.progress=false"])
     cfg = build_config(o)
     assert cfg.train.rounds == 5 and math.isinf(cfg.dp.epsilon) and cfg.train.lr == 1e-3 and cfg.output.progress is False
     assert not cfg.dp.enabled
@@ -34,8 +34,8 @@ def test_overrides_are_typed_and_nested():
 
 def test_yaml_file_plus_overrides(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text("rounds: 7\nbeta: 0.1\ndp:\n  epsilon: 2\n")
-    cfg = config_from_cli(str(f), ["beta=0.3"])
+    f.write_text("train:\n  rounds: 7\ndata:\n  beta: 0.1\ndp:\n  epsilon: 2\n")
+    cfg = config_from_cli(str(f), ["data.beta=0.3"])
     assert (cfg.train.rounds, cfg.data.beta, cfg.dp.epsilon) == (7, 0.3, 2.0)
     # the resolved config round-trips through its YAML
     from raysim.config.checks import config_from_yaml_text
@@ -59,7 +59,6 @@ def test_yaml_file_plus_overrides(tmp_path):
         ({"data": {"partition": "weird"}}, "pathological"),
         ({"train": {"rounds": "many"}}, "train.rounds must be an integer"),
         ({"execution": {"client_gpus": 2}}, "fraction"),
-        ({"rounds": -1}, "train.rounds must be >= 1"),  # a flat key of the previous release, moved
     ],
 )
 def test_bad_values_name_the_fix(overrides, message):
@@ -68,11 +67,34 @@ def test_bad_values_name_the_fix(overrides, message):
     assert message in str(e.value)
 
 
+def test_a_flat_key_of_the_previous_release_is_moved_then_checked(flat_keys_allowed):
+    with pytest.raises(ConfigError) as e:
+        build_config({"rounds": -1})
+    assert "train.rounds must be >= 1" in str(e.value)
+
+
+@pytest.mark.parametrize("values, old, new", [
+    ({"rounds": 3}, "rounds", "train.rounds"),
+    ({"model": "raysim-tiny"}, "model", "model.name"),
+    ({"dp": {"vpp_rho": 0.2}}, "dp.vpp_rho", "dp.vpp.rho"),
+])
+def test_under_raysim_flat_keys_error_an_old_key_is_refused_naming_the_new_one(monkeypatch, values, old, new):
+    monkeypatch.setenv("RAYSIM_FLAT_KEYS", "error")
+    with pytest.raises(ConfigError) as e:
+        build_config(values)
+    assert f"{old!r} is now {new!r}" in str(e.value)
+    with pytest.raises(ConfigError, match="is now 'train.rounds'"):
+        config_from_cli(None, ["rounds=2"])  # command-line overrides too
+    monkeypatch.setenv("RAYSIM_FLAT_KEYS", "sometimes")
+    with pytest.raises(ConfigError, match="RAYSIM_FLAT_KEYS='sometimes' is not one of warn, error"):
+        build_config({"train": {"rounds": 2}, **values})
+
+
 def test_cli_bad_input_exit_2_without_traceback(tmp_path):
     for args, needle in [
         (["method=nope"], "unknown method"),
-        (["rounds=-3"], "rounds must be >= 1"),
-        (["dataset=cifar10", f"data_root={tmp_path / 'nothing'}", "backend=inline"], "cifar-10-batches-py"),
+        (["train.rounds=-3"], "rounds must be >= 1"),
+        (["data.dataset=cifar10", f"data.data_root={tmp_path / 'nothing'}", "execution.backend=inline"], "cifar-10-batches-py"),
         (["notakeyvalue"], "key=value"),
     ]:
         p = cli(*args, cwd=tmp_path)
@@ -86,7 +108,7 @@ def test_cli_refuses_to_overwrite_and_keeps_files(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    p = cli(f"out_dir={out}", "backend=inline", cwd=tmp_path)
+    p = cli(f"output.out_dir={out}", "execution.backend=inline", cwd=tmp_path)
     assert p.returncode == 2 and "resume=" in p.stderr
     assert (out / "keep.txt").read_text() == "x" and len(list(out.iterdir())) == 1
 
@@ -174,7 +196,7 @@ def test_defaults_have_one_source_and_the_config_notes_state_them():
     assert checked > 30
 
 
-def test_flat_keys_of_the_previous_release_still_work_with_one_message(caplog):
+def test_flat_keys_of_the_previous_release_still_work_with_one_message(caplog, flat_keys_allowed):
     import logging
 
     from raysim.config import load as config_load
@@ -198,28 +220,69 @@ def test_resumable_keys_are_field_metadata():
     assert not {"train.lr", "train.seed", "data.partition", "execution.num_threads", "dp.epsilon"} & keys
 
 
-def test_shipped_sweep_and_table_files_use_sectioned_keys(caplog, tmp_path):
-    """Every shipped sweep (sweeps/*.yaml) and comparison spec (benchmarks/tables/*.yaml) builds its configs
-    without one deprecation message: they are written with the sectioned keys."""
-    import glob
+def _shipped_yaml() -> list[Path]:
+    """Every YAML file of the repository (not the venv, build outputs or run folders)."""
+    skip = {".venv", "build", ".git", "site", "runs", "node_modules"}
+    return sorted(p for ext in ("*.yaml", "*.yml") for p in ROOT.rglob(ext) if not skip & set(p.relative_to(ROOT).parts))
+
+
+def test_shipped_sweep_and_table_files_use_sectioned_keys(caplog, tmp_path, monkeypatch):
+    """Every shipped YAML file that raysim reads (sweeps, comparison specs, run configs, in any folder)
+    builds its configs without one deprecation message, and with old keys refused
+    (RAYSIM_FLAT_KEYS=error): they are written with the sectioned keys. The rest (Ray cluster launcher
+    files, the docs site's config) are named and not raysim configs."""
     import logging
 
+    import yaml
+
     from raysim.config import load as config_load
+    from raysim.config.checks import build_config
     from raysim.tools.compare import plan, spec_from_args
     from raysim.tools.sweep import load_sweep, validate_sweep
 
+    monkeypatch.setenv("RAYSIM_FLAT_KEYS", "error")
     config_load._WARNED.clear()
+    kinds: dict[str, list[str]] = {"sweep": [], "compare": [], "config": [], "cluster": [], "site": []}
     with caplog.at_level(logging.WARNING, logger="raysim.config"):
-        sweeps = sorted(glob.glob(str(ROOT / "sweeps" / "*.yaml")))
-        tables = sorted(glob.glob(str(ROOT / "benchmarks" / "tables" / "*.yaml")))
-        for path in sweeps:
-            validate_sweep(load_sweep(path))
-        for path in tables:
-            spec, _ = spec_from_args([path])
-            plan(spec, tmp_path / Path(path).stem)
+        for path in _shipped_yaml():
+            rel = path.relative_to(ROOT).as_posix()
+            raw = yaml.safe_load(path.read_text()) or {}
+            if path.name == "mkdocs.yml":
+                kinds["site"].append(rel)
+            elif "cluster_name" in raw:
+                kinds["cluster"].append(rel)
+            elif "space" in raw or "base" in raw:
+                validate_sweep(load_sweep(path))
+                kinds["sweep"].append(rel)
+            elif "methods" in raw:
+                spec, _ = spec_from_args([str(path)])
+                plan(spec, tmp_path / path.stem)
+                kinds["compare"].append(rel)
+            else:
+                build_config(config_load.load_config_file(path))
+                kinds["config"].append(rel)
+    sweeps = [p for p in kinds["sweep"] if p.startswith("sweeps/")]
+    tables = [p for p in kinds["compare"] if p.startswith("benchmarks/tables/")]
     assert len(sweeps) >= 5 and len(tables) >= 5
+    assert sorted(kinds["cluster"]) == ["clusters/aws.yaml", "clusters/local.yaml"] and kinds["site"] == ["mkdocs.yml"]
     said = [r.getMessage() for r in caplog.records if "is now" in r.getMessage()]
     assert not said, said
+
+
+def test_a_shipped_file_with_an_old_key_would_be_caught(tmp_path, monkeypatch):
+    """The check above can fail: the same loaders refuse a sweep and a spec with one flat key."""
+    from raysim.tools.compare import spec_from_args
+    from raysim.tools.sweep import load_sweep, validate_sweep
+
+    monkeypatch.setenv("RAYSIM_FLAT_KEYS", "error")
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("base: {method: promptfl, rounds: 2}\nspace: {dp.epsilon: {grid: [1.0]}}\n")
+    with pytest.raises(ConfigError, match="'rounds' is now 'train.rounds'"):
+        validate_sweep(load_sweep(sweep))
+    spec = tmp_path / "t.yaml"
+    spec.write_text("methods: [promptfl]\nsetting: {dataset: digits}\n")
+    with pytest.raises(ConfigError, match="'dataset' is now 'data.dataset'"):
+        spec_from_args([str(spec)])
 
 
 def test_schema_backend_names_are_the_engine_backends():
@@ -229,7 +292,7 @@ def test_schema_backend_names_are_the_engine_backends():
     assert sorted(BACKEND_NAMES) == sorted(BACKENDS)
 
 
-def test_old_vpp_keys_move_into_the_dp_vpp_section_with_one_message(caplog):
+def test_old_vpp_keys_move_into_the_dp_vpp_section_with_one_message(caplog, flat_keys_allowed):
     import logging
 
     from raysim.config import load as config_load

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import tiny_config
 
+from raysim.config import merge_config
 from raysim.engine.loop import eval_rounds, run
 from raysim.errors import ConfigError, UploadViolation
 from raysim.metrics import TIMING_COLUMNS
@@ -21,7 +22,7 @@ def read_rows(path):
 
 
 def test_inline_run_writes_every_output(tmp_path, cache_dir):
-    cfg = tiny_config(tmp_path, cache_dir, tensorboard=True)
+    cfg = tiny_config(tmp_path, cache_dir, output={"tensorboard": True})
     result = run(cfg)
     out = result.out_dir
     for name in ("config.yaml", "results.csv", "client_results.csv", "summary.md"):
@@ -44,7 +45,7 @@ def test_inline_run_writes_every_output(tmp_path, cache_dir):
 def test_same_seed_same_results_inline_ray_and_pool_sizes(tmp_path, cache_dir, ray_session):
     # bitwise: client by client (client batching, on by default, makes a client's last bits depend on which
     # clients share its host; tests/engine/test_batched_clients.py holds it to 1e-5 inline and on Ray)
-    base = dict(participation=0.5, rounds=3, execution={"batch_clients": False})
+    base = dict(train={"participation": 0.5, "rounds": 3}, execution={"batch_clients": False})
     ref = read_rows(run(tiny_config(tmp_path / "inline", cache_dir, **base)).out_dir / "results.csv")
     ref_clients = read_rows(tmp_path / "inline" / "run" / "client_results.csv")
     for name, extra in {
@@ -52,14 +53,14 @@ def test_same_seed_same_results_inline_ray_and_pool_sizes(tmp_path, cache_dir, r
         "ray2": dict(backend="ray", num_actors=2, client_cpus=0.5),
         "per_client": dict(backend="ray", placement="actor_per_client", client_cpus=0.25),
         "inline3": dict(backend="inline", num_actors=3),
-    }.items():
-        out = run(tiny_config(tmp_path / name, cache_dir, **base, **extra)).out_dir
+    }.items():  # execution keys
+        out = run(tiny_config(tmp_path / name, cache_dir, **merge_config(base, {"execution": extra}))).out_dir
         assert read_rows(out / "results.csv") == ref, name
         assert read_rows(out / "client_results.csv") == ref_clients, name
 
 
 def test_resume_after_interruption_matches_uninterrupted(tmp_path, cache_dir):
-    full = read_rows(run(tiny_config(tmp_path / "full", cache_dir, rounds=4)).out_dir / "results.csv")
+    full = read_rows(run(tiny_config(tmp_path / "full", cache_dir, train={"rounds": 4})).out_dir / "results.csv")
 
     class Stop(Exception):
         pass
@@ -68,7 +69,7 @@ def test_resume_after_interruption_matches_uninterrupted(tmp_path, cache_dir):
         if row["round"] == 1:
             raise Stop
 
-    cfg = tiny_config(tmp_path / "cut", cache_dir, rounds=4)
+    cfg = tiny_config(tmp_path / "cut", cache_dir, train={"rounds": 4})
     with pytest.raises(Stop):
         run(cfg, on_round=stop_after_round_1)
     out = tmp_path / "cut" / "run"
@@ -82,7 +83,7 @@ def test_resume_after_interruption_matches_uninterrupted(tmp_path, cache_dir):
 def test_resume_can_extend_rounds_but_not_change_results(tmp_path, cache_dir):
     from raysim.engine.loop import resume_config
 
-    out = run(tiny_config(tmp_path, cache_dir, rounds=2)).out_dir
+    out = run(tiny_config(tmp_path, cache_dir, train={"rounds": 2})).out_dir
     with pytest.raises(ConfigError, match="lr"):
         resume_config(out, {"train": {"lr": 0.5}})
     extended = run(resume_config(out, {"train": {"rounds": 3}}))
@@ -116,7 +117,7 @@ def test_dp_promptfl_spends_close_to_its_budget(tmp_path, cache_dir):
     (within Opacus' calibration tolerance 0.01), never more; results.csv carries the maximum."""
     from raysim.sampling import schedule
 
-    cfg = tiny_config(tmp_path, cache_dir, rounds=2, participation=0.5, **{"dp": {"epsilon": 2.0}})
+    cfg = tiny_config(tmp_path, cache_dir, train={"rounds": 2, "participation": 0.5}, **{"dp": {"epsilon": 2.0}})
     out = run(cfg).out_dir
     took_part = {c for p in schedule(cfg.train.seed, 2, cfg.train.num_clients, 0.5) for c in p}
     rows = read_rows(out / "client_results.csv")
@@ -163,7 +164,7 @@ def test_run_stops_before_a_release_past_the_budget(tmp_path, cache_dir):
     from raysim.engine.loop import resume_config
     from raysim.errors import PrivacyBudgetExceeded
 
-    out = run(tiny_config(tmp_path, cache_dir, rounds=2, **{"dp": {"epsilon": 1.0}})).out_dir
+    out = run(tiny_config(tmp_path, cache_dir, train={"rounds": 2}, **{"dp": {"epsilon": 1.0}})).out_dir
     before = read_rows(out / "results.csv")
     with pytest.raises(PrivacyBudgetExceeded, match="epsilon"):
         run(resume_config(out, {"train": {"rounds": 4}}))
@@ -176,7 +177,8 @@ def test_client_level_dp_noises_the_update_and_records_it(tmp_path, cache_dir):
     ledger spends the target over the run."""
     from raysim.storage.store import StateStore
 
-    cfg = tiny_config(tmp_path, cache_dir, rounds=2, record_uploads=True, **{"dp": {"epsilon": 4.0, "level": "client", "clip": 0.1}})
+    cfg = tiny_config(tmp_path, cache_dir, train={"rounds": 2}, output={"record_uploads": True},
+                      **{"dp": {"epsilon": 4.0, "level": "client", "clip": 0.1}})
     out = run(cfg).out_dir
     rec = StateStore(out).load_uploads(1)
     for cid, up in rec["uploads"].items():

@@ -51,7 +51,8 @@ def _rounds(cfg, kill=None):
 
 
 def test_dead_actors_are_replaced_with_identical_results(tmp_path, cache_dir, ray_session):
-    opts = dict(backend="ray", num_actors=2, rounds=3, method="fedsept", n_ctx=4, fedsept={"rank": 8}, **{"dp": {"epsilon": 2.0}})
+    opts = dict(execution={"backend": "ray", "num_actors": 2}, train={"rounds": 3, "n_ctx": 4}, method="fedsept", fedsept={"rank": 8},
+                **{"dp": {"epsilon": 2.0}})
     ref, ref_private, none = _rounds(tiny_config(tmp_path / "ref", cache_dir, **opts))
     assert none == 0
 
@@ -73,7 +74,7 @@ def test_dead_actors_are_replaced_with_identical_results(tmp_path, cache_dir, ra
 
 
 def test_restarts_are_bounded(tmp_path, cache_dir, ray_session):
-    cfg = tiny_config(tmp_path, cache_dir, backend="ray", num_actors=2, rounds=2, max_actor_restarts=0)
+    cfg = tiny_config(tmp_path, cache_dir, execution={"backend": "ray", "num_actors": 2, "max_actor_restarts": 0}, train={"rounds": 2})
 
     def kill(b, r, stage):
         if stage == "committed":

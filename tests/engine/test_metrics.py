@@ -162,7 +162,7 @@ def test_curves_png_has_an_epsilon_panel_only_with_dp(tmp_path):
 
 
 def test_every_run_writes_curves_png_and_a_resume_redraws_it(tmp_path, cache_dir):
-    out = run(tiny_config(tmp_path, cache_dir, rounds=2)).out_dir
+    out = run(tiny_config(tmp_path, cache_dir, train={"rounds": 2})).out_dir
     png = out / "curves.png"
     assert png.is_file() and png.read_bytes()[:8] == PNG_MAGIC
     first = png.read_bytes()

@@ -126,19 +126,19 @@ from raysim.engine.loop import run
 seen = {}
 def on_round(row):
     seen.update(client_actor_nodes())  # while the federation's actors are alive
-cfg = build_config(dict(method="promptfl", dataset="digits", model="raysim-tiny", pretrained="", ctx_init="",
-                        num_clients=2, rounds=2, eval_every=1, eval_last=1,
-                        backend="ray", placement="actor_per_client", client_cpus=1, address=address,
-                        progress=False, cache_dir=cache_dir, out_dir=out_dir))
+cfg = build_config(dict(method="promptfl", data={"dataset": "digits"}, model={"name": "raysim-tiny", "pretrained": ""},
+                        train={"ctx_init": "", "num_clients": 2, "rounds": 2}, eval={"every": 1, "last": 1},
+                        execution={"backend": "ray", "placement": "actor_per_client", "client_cpus": 1, "address": address},
+                        output={"progress": False, "cache_dir": cache_dir, "out_dir": out_dir}))
 result = run(cfg, on_round=on_round)
 tick("federation done")
 fed = {"summary": result.summary, "info": result.info, "actor_nodes": seen}
 
 # 2. a small sweep through address= (run_sweep connects itself): 2 trials, one client actor each
 from raysim.tools.sweep import load_sweep, run_sweep
-spec = load_sweep("sweeps/smoke.yaml", [f"storage={storage}", "name=multinode", f"address={address}",
-                                        f"cache_dir={cache_dir}", "num_clients=2"])
-spec["space"] = {"seed": {"grid": [1, 2]}}
+spec = load_sweep("sweeps/smoke.yaml", [f"storage={storage}", "name=multinode", f"execution.address={address}",
+                                        f"output.cache_dir={cache_dir}", "train.num_clients=2"])
+spec["space"] = {"train.seed": {"grid": [1, 2]}}
 df = run_sweep(spec, verbose=0)
 tick("sweep done")
 ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=False)

@@ -53,7 +53,7 @@ def write_with_digest(path: Path, obj) -> None:
 
 
 def test_a_second_run_or_resume_of_a_live_folder_exits_2_naming_the_holder(tmp_path, cache_dir):
-    out = run(tiny_config(tmp_path, cache_dir, rounds=1)).out_dir
+    out = run(tiny_config(tmp_path, cache_dir, train={"rounds": 1})).out_dir
     assert not (out / LOCK_NAME).exists()  # released at the end of the run
     holder = subprocess.Popen(
         [sys.executable, "-c", f"import sys, time; from raysim.storage.store import RunLock; RunLock({str(out)!r}).acquire(); "
@@ -66,15 +66,15 @@ def test_a_second_run_or_resume_of_a_live_folder_exits_2_naming_the_holder(tmp_p
         assert info["pid"] == holder.pid and info["host"]
         assert RunLock(out).holder()["pid"] == holder.pid
         # a resume, from the command line and from Python
-        p = cli(f"resume={out}", "rounds=2")
+        p = cli(f"output.resume={out}", "train.rounds=2")
         assert p.returncode == 2, p.stderr
         assert f"pid {holder.pid}" in p.stderr and "Traceback" not in p.stderr
         with pytest.raises(RunFolderLocked, match=f"pid {holder.pid}"):
             run(resume_config(out, {"train": {"rounds": 2}}))
         # a new run pointed at the same folder
         cfg_file = tmp_path / "again.yaml"
-        cfg_file.write_text(tiny_config(tmp_path, cache_dir, rounds=2).to_yaml())
-        p = cli("--config", str(cfg_file), f"out_dir={out}")
+        cfg_file.write_text(tiny_config(tmp_path, cache_dir, train={"rounds": 2}).to_yaml())
+        p = cli("--config", str(cfg_file), f"output.out_dir={out}")
         assert p.returncode == 2 and f"pid {holder.pid}" in p.stderr and "Traceback" not in p.stderr, p.stderr
         assert [r["round"] for r in rows(out / "results.csv")] == ["0"]  # neither wrote anything
     finally:
@@ -93,7 +93,7 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path, cache_dir, caplo
     pid = dead_pid()
     (out / LOCK_NAME).write_text(json.dumps({"pid": pid, "host": "elsewhere", "started": time.time() - 60}))
     with caplog.at_level(logging.WARNING, logger="raysim.storage.store"):
-        res = run(tiny_config(tmp_path, cache_dir, rounds=1))  # a folder holding only a lock file is not a run
+        res = run(tiny_config(tmp_path, cache_dir, train={"rounds": 1}))  # a folder holding only a lock file is not a run
     assert f"pid {pid}" in caplog.text and "taking over" in caplog.text
     assert len(rows(res.out_dir / "results.csv")) == 1 and not (out / LOCK_NAME).exists()
 
@@ -101,7 +101,8 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path, cache_dir, caplo
 def test_a_failed_start_leaves_no_folder_and_no_lock(tmp_path, cache_dir):
     out = tmp_path / "deep" / "run"
     with pytest.raises(Exception, match="cifar-10"):
-        run(tiny_config(tmp_path, cache_dir, dataset="cifar10", data_root=str(tmp_path / "none"), out_dir=str(out)))
+        run(tiny_config(tmp_path, cache_dir, data={"dataset": "cifar10", "data_root": str(tmp_path / "none")},
+                        output={"out_dir": str(out)}))
     assert not (tmp_path / "deep").exists()
 
 
@@ -112,12 +113,12 @@ def test_a_failed_start_leaves_no_folder_and_no_lock(tmp_path, cache_dir):
 def reference(tmp_path_factory, cache_dir):
     """An uninterrupted 3-round run: what every resume below must reproduce."""
     tmp = tmp_path_factory.mktemp("reference")
-    out = run(tiny_config(tmp, cache_dir, rounds=3)).out_dir
+    out = run(tiny_config(tmp, cache_dir, train={"rounds": 3})).out_dir
     return rows(out / "results.csv"), rows(out / "client_results.csv")
 
 
 def test_a_truncated_checkpoint_is_named_and_the_resume_falls_back_to_the_last_good_round(tmp_path, cache_dir, reference, caplog):
-    out = run(tiny_config(tmp_path, cache_dir, rounds=3)).out_dir
+    out = run(tiny_config(tmp_path, cache_dir, train={"rounds": 3})).out_dir
     store = StateStore(out)
     assert store.completed_round() == 2 and store.damaged(2) == []
     cut = out / "state" / "clients" / "1" / "00002.pt"
@@ -130,7 +131,7 @@ def test_a_truncated_checkpoint_is_named_and_the_resume_falls_back_to_the_last_g
 
 
 def test_a_flipped_byte_is_caught_by_the_digest(tmp_path, cache_dir, reference, caplog):
-    out = run(tiny_config(tmp_path, cache_dir, rounds=3)).out_dir
+    out = run(tiny_config(tmp_path, cache_dir, train={"rounds": 3})).out_dir
     f = out / "state" / "server" / "00002.pt"
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0xFF  # inside the tensor data: the zip archive still opens, the numbers are wrong
@@ -144,12 +145,12 @@ def test_a_flipped_byte_is_caught_by_the_digest(tmp_path, cache_dir, reference, 
 
 
 def test_without_an_intact_round_the_resume_exits_2_naming_the_file(tmp_path, cache_dir):
-    out = run(tiny_config(tmp_path, cache_dir, rounds=3)).out_dir
+    out = run(tiny_config(tmp_path, cache_dir, train={"rounds": 3})).out_dir
     for r in (1, 2):  # the store keeps the last two rounds of the server's state
         f = out / "state" / "server" / f"{r:05d}.pt"
         f.write_bytes(f.read_bytes()[:100])
     before = rows(out / "results.csv")
-    p = cli(f"resume={out}", "rounds=4")
+    p = cli(f"output.resume={out}", "train.rounds=4")
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert str(out / "state" / "server" / "00002.pt") in p.stderr and "truncated or corrupted" in p.stderr
     assert "No intact round" in p.stderr
@@ -167,11 +168,11 @@ class RunsCode:
 
 
 def test_a_checkpoint_carrying_a_pickled_object_that_would_run_code_is_refused(tmp_path, cache_dir):
-    out = run(tiny_config(tmp_path, cache_dir, rounds=2, record_uploads=True)).out_dir
+    out = run(tiny_config(tmp_path, cache_dir, train={"rounds": 2}, output={"record_uploads": True})).out_dir
     marker = tmp_path / "pwned"
     state = StateStore(out).load_client(0, 1)
     write_with_digest(out / "state" / "clients" / "0" / "00001.pt", {**state, "extra": RunsCode(marker)})
-    p = cli(f"resume={out}", "rounds=3")
+    p = cli(f"output.resume={out}", "train.rounds=3")
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert "could run code" in p.stderr and str(out / "state" / "clients" / "0" / "00001.pt") in p.stderr
     assert not marker.exists()
@@ -193,11 +194,11 @@ def test_a_checkpoint_carrying_a_pickled_object_that_would_run_code_is_refused(t
 
 def test_ctrl_c_ends_the_run_cleanly_and_resume_continues_it_identically(tmp_path, cache_dir):
     rounds = 100  # ~40 ms each: after round 1 there are seconds left for the interrupt to land mid-run
-    cfg = tiny_config(tmp_path / "ref", cache_dir, rounds=rounds)
+    cfg = tiny_config(tmp_path / "ref", cache_dir, train={"rounds": rounds})
     ref = run(cfg).out_dir
     out = tmp_path / "cut"
     cfg_file = tmp_path / "cut.yaml"
-    cfg_file.write_text(tiny_config(tmp_path, cache_dir, rounds=rounds, out_dir=str(out)).to_yaml())
+    cfg_file.write_text(tiny_config(tmp_path, cache_dir, train={"rounds": rounds}, output={"out_dir": str(out)}).to_yaml())
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "raysim" / "run.py"), "--config", str(cfg_file)],
         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -218,7 +219,7 @@ def test_ctrl_c_ends_the_run_cleanly_and_resume_continues_it_identically(tmp_pat
     assert not (out / LOCK_NAME).exists()
     # every completed round is on record (a row past it, from a round cut short, is dropped on resume)
     assert [int(r["round"]) for r in rows(out / "results.csv")][: done + 1] == list(range(done + 1))
-    p = cli(f"resume={out}")
+    p = cli(f"output.resume={out}")
     assert p.returncode == 0, p.stderr
     assert rows(out / "results.csv") == rows(ref / "results.csv")
     assert rows(out / "client_results.csv") == rows(ref / "client_results.csv")

@@ -18,7 +18,7 @@ from raysim.storage.store import StateStore
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, cache_dir):
-    cfg = tiny_config(tmp_path_factory.mktemp("rf"), cache_dir, record_uploads=True, rounds=2, n_ctx=4)
+    cfg = tiny_config(tmp_path_factory.mktemp("rf"), cache_dir, output={"record_uploads": True}, train={"rounds": 2, "n_ctx": 4})
     return run(cfg).out_dir
 
 

@@ -42,9 +42,13 @@ def config(tmp_path, name, **extra):
     from raysim.config.checks import build_config
 
     values = {
-        "method": name, "dataset": "digits", "shots": 8, "model": "raysim-tiny", "pretrained": "", "n_ctx": 4,
-        "ctx_init": "", "num_clients": 3, "rounds": 2, "backend": "inline", "progress": False, "tensorboard": False,
-        "cache_dir": str(tmp_path.parent / "conformance-cache"), "out_dir": str(tmp_path / "run"), "batch_size": 16,
+        "method": name,
+        "data": {"dataset": "digits", "shots": 8},
+        "model": {"name": "raysim-tiny", "pretrained": ""},
+        "train": {"n_ctx": 4, "ctx_init": "", "num_clients": 3, "rounds": 2, "batch_size": 16},
+        "execution": {"backend": "inline"},
+        "output": {"progress": False, "tensorboard": False, "cache_dir": str(tmp_path.parent / "conformance-cache"),
+                   "out_dir": str(tmp_path / "run")},
     }
     if name in FAST:
         values[name] = FAST[name]
@@ -117,8 +121,8 @@ def test_dp_is_applied_or_refused_before_anything_is_written(tmp_path, name, lev
         from raysim.run import main
 
         out = tmp_path / "refused"
-        args = [f"method={name}", "dp.epsilon=4", f"dp.level={level}", f"out_dir={out}", "backend=inline",
-                "dataset=digits", "progress=false", f"cache_dir={tmp_path / 'c'}"]
+        args = [f"method={name}", "dp.epsilon=4", f"dp.level={level}", f"output.out_dir={out}", "execution.backend=inline",
+                "data.dataset=digits", "output.progress=false", f"output.cache_dir={tmp_path / 'c'}"]
         args += [f"{name}.{k}={v}" for k, v in FAST.get(name, {}).items()]
         assert main(args) == 2 and not out.exists()
         return

@@ -246,9 +246,9 @@ def test_engine_run_with_dp_stays_within_budget(tmp_path):
 
     cfg = build_config(
         dict(
-            method="fedsept", rounds=2, backend="inline", out_dir=str(tmp_path / "r"), progress=False,
-            dataset="digits", model="raysim-tiny", pretrained="", n_ctx=16,
-            tensorboard=False, cache_dir=str(tmp_path / "cache"), dp={"epsilon": 1.0},
+            method="fedsept", train={"rounds": 2, "n_ctx": 16}, execution={"backend": "inline"},
+            output={"out_dir": str(tmp_path / "r"), "progress": False, "tensorboard": False, "cache_dir": str(tmp_path / "cache")},
+            data={"dataset": "digits"}, model={"name": "raysim-tiny", "pretrained": ""}, dp={"epsilon": 1.0},
         )
     )
     result = run(cfg)

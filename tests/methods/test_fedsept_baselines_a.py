@@ -297,7 +297,7 @@ def test_only_the_shared_prompt_crosses(tmp_path, cache_dir, name):
     """bytes_up is exactly one L x w float32 tensor per participant: nothing else leaves the clients."""
     from raysim.engine.loop import run
 
-    res = run(tiny_config(tmp_path, cache_dir, method=name, n_ctx=4, rounds=1, num_clients=3))
+    res = run(tiny_config(tmp_path, cache_dir, method=name, train={"n_ctx": 4, "rounds": 1, "num_clients": 3}))
     rows = pd.read_csv(res.out_dir / "results.csv")
     ctx_width = build_clip_env(ModelSpec("raysim-tiny"), CLASSES, 4).ctx_width
     assert (rows["bytes_up"] == 3 * 4 * ctx_width * 4).all()  # 3 clients x (L=4 x w) x 4 bytes
@@ -310,11 +310,11 @@ def test_same_results_inline_and_on_ray(tmp_path, cache_dir, ray_session, name, 
     the per-token head, two prompts); FedPGP and FedPHA for one round (their private parts and DP-SGD)."""
     from raysim.engine.loop import run
 
-    opts = dict(method=name, n_ctx=4, rounds=2 if name == "fedotp" else 1)
+    opts = dict(method=name, train={"n_ctx": 4, "rounds": 2 if name == "fedotp" else 1})
     if epsilon is not None:
         opts["dp"] = {"epsilon": epsilon}
     a = run(tiny_config(tmp_path / "inline", cache_dir, **opts))
-    b = run(tiny_config(tmp_path / "ray", cache_dir, backend="ray", num_actors=2, **opts))
+    b = run(tiny_config(tmp_path / "ray", cache_dir, execution={"backend": "ray", "num_actors": 2}, **opts))
     method_cols = [f"train_{k}" for k in get_method(name).client_metrics if k != "loss"]
     cols = ["round", "in_client", "cross_client", "hm", "train_loss", "bytes_up", "bytes_down"] + method_cols
     ra, rb = (pd.read_csv(r.out_dir / "results.csv")[cols] for r in (a, b))
@@ -329,4 +329,4 @@ def test_fedotp_patch_on_a_one_token_tower_is_refused_with_the_pooled_way_out(tm
     from raysim.errors import ConfigError
 
     with pytest.raises(ConfigError, match="1 token per image.*fedotp.tokens=pooled"):
-        run(tiny_config(tmp_path, cache_dir, method="fedotp", model="raysim-clip"))
+        run(tiny_config(tmp_path, cache_dir, method="fedotp", model={"name": "raysim-clip"}))

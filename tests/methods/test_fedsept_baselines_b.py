@@ -88,7 +88,7 @@ def _hosts(tmp_path, cache_dir, method, **extra):
     from raysim.engine.hosts import ClientHost, ServerHost
     from raysim.engine.loop import prepare_data
 
-    cfg = tiny_config(tmp_path, cache_dir, method=method, n_ctx=4, **extra)
+    cfg = tiny_config(tmp_path, cache_dir, method=method, train={"n_ctx": 4}, **extra)
     data = prepare_data(cfg, make_method(cfg).needs(), progress=False)
     out = str(tmp_path / "hosts")
     return cfg, ServerHost(cfg, data.classnames, out), ClientHost(cfg, data, list(range(cfg.train.num_clients)), out)
@@ -118,7 +118,7 @@ def test_pfedmoap_uploads_only_ctx_and_broadcasts_only_released_tensors(tmp_path
 def test_pfedmoap_first_participation_uses_local_logits_only(tmp_path, cache_dir):
     cfg, server, host = _hosts(tmp_path, cache_dir, "pfedmoap")
     m, env = host.method, host.env
-    priv = host._private(0)
+    priv = host.private_state(0)
     assert m.experts(env, server.get_shared(), priv) is None  # no own last ctx yet
     feats = host.data[0].x_test[:3]
     want = m.logits(env, feats, env.prompts.text_features(server.get_shared()["ctx"]))
@@ -151,7 +151,7 @@ def test_gram_schmidt_worked_example():
 def test_dpfpl_trains_all_parts_uploads_only_global_and_refactorises(tmp_path, cache_dir):
     cfg, server, host = _hosts(tmp_path, cache_dir, "dpfpl", dp={"epsilon": 2.0})
     assert host.method.rank(host.env) == 4  # rank 16 capped at n_ctx = 4
-    before = {k: v.clone() for k, v in host._private(0).items()}
+    before = {k: v.clone() for k, v in host.private_state(0).items()}
     uploads, _ = host.train(0, [0, 1], server.get_shared())
     assert all(set(u.tensors) == {"global_ctx"} for u in uploads)
     priv = host.private[0]
@@ -235,9 +235,9 @@ COLS = ["round", "in_client", "cross_client", "hm", "train_loss", "bytes_up", "b
 def test_end_to_end_identical_inline_and_on_ray(tmp_path, cache_dir, ray_session, method, epsilon):
     from raysim.engine.loop import run
 
-    opts = dict(method=method, n_ctx=4, rounds=2, dp={"epsilon": epsilon})
+    opts = dict(method=method, train={"n_ctx": 4, "rounds": 2}, dp={"epsilon": epsilon})
     a = run(tiny_config(tmp_path / "inline", cache_dir, **opts))
-    b = run(tiny_config(tmp_path / "ray", cache_dir, backend="ray", num_actors=2, **opts))
+    b = run(tiny_config(tmp_path / "ray", cache_dir, execution={"backend": "ray", "num_actors": 2}, **opts))
     ra, rb = (pd.read_csv(r.out_dir / "results.csv")[COLS] for r in (a, b))
     pd.testing.assert_frame_equal(ra, rb)
     assert (ra["bytes_up"] > 0).all() and ra["train_loss"].notna().all()
@@ -251,7 +251,8 @@ def test_end_to_end_identical_inline_and_on_ray(tmp_path, cache_dir, ray_session
 def test_dpfpl_reference_run_warns_once_and_prints_an_honest_epsilon(tmp_path, cache_dir, caplog):
     from raysim.engine.loop import run
 
-    cfg = tiny_config(tmp_path, cache_dir, method="dpfpl", n_ctx=4, rounds=2, dpfpl={"dp_mode": "reference"}, dp={"epsilon": 1.0})
+    cfg = tiny_config(tmp_path, cache_dir, method="dpfpl", train={"n_ctx": 4, "rounds": 2}, dpfpl={"dp_mode": "reference"},
+                      dp={"epsilon": 1.0})
     with caplog.at_level(logging.WARNING, logger="raysim"):
         res = run(cfg)
     lines = [r.getMessage() for r in caplog.records if "dp_mode=reference" in r.getMessage()]

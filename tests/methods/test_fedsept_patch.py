@@ -90,9 +90,9 @@ def test_probe_query_trains_only_with_patch_tokens(tiny, router):
 def test_patch_router_end_to_end_same_results_on_both_backends(tmp_path, cache_dir, ray_session):
     from raysim.engine.loop import run
 
-    opts = dict(method="fedsept", fedsept={"router": "patch", "rank": 8}, n_ctx=4, rounds=2)
+    opts = dict(method="fedsept", fedsept={"router": "patch", "rank": 8}, train={"n_ctx": 4, "rounds": 2})
     a = run(tiny_config(tmp_path / "inline", cache_dir, **opts))
-    b = run(tiny_config(tmp_path / "ray", cache_dir, backend="ray", num_actors=2, **opts))
+    b = run(tiny_config(tmp_path / "ray", cache_dir, execution={"backend": "ray", "num_actors": 2}, **opts))
     cols = ["round", "in_client", "cross_client", "hm", "train_loss", "bytes_up", "bytes_down"]
     ra, rb = (pd.read_csv(r.out_dir / "results.csv")[cols] for r in (a, b))
     pd.testing.assert_frame_equal(ra, rb)
@@ -104,7 +104,7 @@ def test_patch_router_end_to_end_same_results_on_both_backends(tmp_path, cache_d
 def test_single_token_tower_is_refused_with_a_way_out(tmp_path, cache_dir):
     from raysim.engine.loop import run
 
-    cfg = tiny_config(tmp_path, cache_dir, method="fedsept", model="raysim-clip", fedsept={"router": "patch"})
+    cfg = tiny_config(tmp_path, cache_dir, method="fedsept", model={"name": "raysim-clip"}, fedsept={"router": "patch"})
     with pytest.raises(ConfigError, match="1 token per image.*ViT"):
         run(cfg)
 
@@ -121,9 +121,10 @@ def test_pretrain_folder_loads_and_runs_the_patch_router(tmp_path, cache_dir):
                 warmup=1, cache_dir=str(tmp_path / "pc"), bench=bench, progress=False, embed_dim=32, vision_width=48,
                 vision_layers=1, patch_size=8, text_width=32, text_layers=1)
     name = "raysim-clip-vit"
-    with pytest.raises(ConfigError, match=f"model={name}"):
-        run(tiny_config(tmp_path / "wrong", cache_dir, pretrained=str(out)))
-    res = run(tiny_config(tmp_path, cache_dir, method="fedsept", model=name, pretrained=str(out), n_ctx=4, rounds=1,
+    with pytest.raises(ConfigError, match=f"model.name={name}"):
+        run(tiny_config(tmp_path / "wrong", cache_dir, model={"pretrained": str(out)}))
+    res = run(tiny_config(tmp_path, cache_dir, method="fedsept", model={"name": name, "pretrained": str(out)},
+                          train={"n_ctx": 4, "rounds": 1},
                           fedsept={"router": "patch", "rank": 4}))
     saved = StateStore(res.out_dir).load_client(0, 10**6)
     assert saved["private"]["router"]["probe"].shape == (1, 48)  # the ViT's token width, not the 32-d embedding

@@ -258,9 +258,10 @@ def test_private_variant_end_to_end_shows_its_epsilon(tmp_path):
     with pytest.raises(ConfigError, match="dp.epsilon"):
         build_config({"method": "fedtsp", "fedtsp": {"dp_epsilon": 1.0}})
     cfg = build_config({
-        "method": "fedtsp", "dataset": "digits", "shots": 8, "model": "raysim-tiny", "pretrained": "",
-        "num_clients": 3, "rounds": 2, "backend": "inline", "out_dir": str(tmp_path / "run"), "progress": False,
-        "tensorboard": False, "cache_dir": str(tmp_path / "c"), "record_uploads": True,
+        "method": "fedtsp", "data": {"dataset": "digits", "shots": 8}, "model": {"name": "raysim-tiny", "pretrained": ""},
+        "train": {"num_clients": 3, "rounds": 2}, "execution": {"backend": "inline"},
+        "output": {"out_dir": str(tmp_path / "run"), "progress": False, "tensorboard": False, "cache_dir": str(tmp_path / "c"),
+                   "record_uploads": True},
         "dp": {"epsilon": 2.0}, "fedtsp": {"plm": "clip", "model_family": "tiny"},
     })
     res = run(cfg)
@@ -306,9 +307,9 @@ def test_baselines_end_to_end(tmp_path, method, section):
 
     res, rows = run_on_digits(tmp_path, method, section, rounds=2, clients=3)
     assert len(rows) == 2 * 3
-    cfg = build_config({"method": method, "dataset": "digits", "partition": "dirichlet", "beta": 0.5, "shots": 0,
-                        "num_clients": 3, method: section, "model": "raysim-tiny", "pretrained": "",
-                        "cache_dir": str(tmp_path / "c")})
+    cfg = build_config({"method": method, "data": {"dataset": "digits", "partition": "dirichlet", "beta": 0.5, "shots": 0},
+                        "train": {"num_clients": 3}, "model": {"name": "raysim-tiny", "pretrained": ""},
+                        "output": {"cache_dir": str(tmp_path / "c")}, method: section})
     data = prepare_data(cfg, make_method(cfg).needs(), progress=False)
     majority = np.mean([np.bincount(data.y_test[te]).max() / len(te) for te in data.test_idx])
     in_client = np.mean([float(r["in_client"]) for r in rows if r["round"] == "1"])

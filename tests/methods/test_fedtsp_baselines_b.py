@@ -310,10 +310,15 @@ def test_end_to_end_on_ray(tmp_path, name, ray_session):
     from raysim.storage.store import StateStore
 
     cfg = build_config({
-        "method": name, "dataset": "digits", "partition": "dirichlet", "beta": 0.5, "shots": 0,
-        "model": "raysim-tiny", "pretrained": "", "num_clients": 3, "rounds": 2, "backend": "ray", "num_actors": 2,
-        "out_dir": str(tmp_path / "run"), "progress": False, "tensorboard": False, "cache_dir": str(tmp_path / "c"),
-        "batch_size": 32, "eval_every": 1, "record_uploads": True, name: {"model_family": "tiny"},
+        "method": name,
+        "data": {"dataset": "digits", "partition": "dirichlet", "beta": 0.5, "shots": 0},
+        "model": {"name": "raysim-tiny", "pretrained": ""},
+        "train": {"num_clients": 3, "rounds": 2, "batch_size": 32},
+        "eval": {"every": 1},
+        "execution": {"backend": "ray", "num_actors": 2},
+        "output": {"out_dir": str(tmp_path / "run"), "progress": False, "tensorboard": False, "cache_dir": str(tmp_path / "c"),
+                   "record_uploads": True},
+        name: {"model_family": "tiny"},
     })
     res = run(cfg)
     rows = list(csv.DictReader(open(res.out_dir / "client_results.csv")))

@@ -2,7 +2,9 @@
 methods/fedtsp, methods/vpdr) registers a method or is a declared helper, `discover()` imports exactly the
 modules pkgutil lists, the registered names are exactly the `@register_method` classes of the sources, a
 method in a new file is found without editing any other file, and the shared bases in methods/families/
-register nothing. Also: methods/ stays free of Ray, logging and file I/O (the engine owns those).
+register nothing. The same for the other two plug-in folders, privacy/mechanisms/ (`@register_mechanism`) and
+attacks/ (`@register_attack`): discovery imports exactly their modules, registers exactly their decorated
+classes, and finds one in a new file. Also: methods/ stays free of Ray, logging and file I/O (the engine owns those).
 
 The registry checks run in a fresh interpreter: other tests register test-only methods (tests/flaky_method.py)."""
 
@@ -139,6 +141,99 @@ def test_a_method_in_a_new_file_is_found_without_editing_any_other(tmp_path):
         print(json.dumps({{"module": m.get_method("zz_discovery_probe").__module__}}))
     """)
     assert out["module"] == "raysim.methods.fedsept.zz_discovery_probe"
+
+
+# the other plug-in folders: (package, folder, decorator, what the registry holds, how to list it, helper modules)
+PLUGINS = {
+    "mechanisms": ("raysim.privacy.mechanisms", ROOT / "privacy" / "mechanisms", "register_mechanism", "class",
+                   "import raysim.privacy.mechanisms as p; p.discover(); items = [p.MECHANISMS.get(n) for n in p.MECHANISMS.names()]",
+                   {"base"}),
+    "attacks": ("raysim.attacks", ROOT / "attacks", "register_attack", "instance",
+                "import raysim.attacks as p; items = p.attacks()", {"base"}),
+}
+PROBES = {
+    "mechanisms": """
+        from raysim.privacy.mechanisms.base import register_mechanism
+        from raysim.privacy.mechanisms.public_release import Public
+
+
+        @register_mechanism
+        class DiscoveryProbe(Public):
+            name = "zz_discovery_probe"
+    """,
+    "attacks": """
+        from raysim.attacks.base import register_attack
+        from raysim.attacks.prototype_mia import PrototypeMIA
+
+
+        @register_attack
+        class DiscoveryProbe(PrototypeMIA):
+            name = "zz_discovery_probe"
+    """,
+}
+
+
+def _decorated(path: Path, decorator: str) -> list[str]:
+    """The names of the classes in `path` decorated with `decorator` (read from the source)."""
+    return [node.name for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+            and any(isinstance(d, ast.Name) and d.id == decorator for d in node.decorator_list)]
+
+
+def _plugin_registry(kind: str, extra_dir: str = "") -> dict:
+    """In a fresh interpreter: the package's modules pkgutil lists, those imported after discovery, and the
+    (module, class) of every registered item; with `extra_dir` on the package's path from its first import,
+    as if its files sat in the folder."""
+    package, _, _, holds, listing, _ = PLUGINS[kind]
+    return _run(f"""
+        import importlib.abc, json, pkgutil, sys
+
+        class Extra(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name != {package!r} or not {extra_dir!r}:
+                    return None
+                for finder in sys.meta_path:  # the finder that would find it (the editable install's, or the path's)
+                    spec = finder.find_spec(name, path, target) if finder is not self and hasattr(finder, "find_spec") else None
+                    if spec is not None:
+                        spec.submodule_search_locations.append({extra_dir!r})
+                        return spec
+                return None
+
+        sys.meta_path.insert(0, Extra())
+        {listing}
+        walked = [i.name for i in pkgutil.iter_modules(p.__path__, prefix={package + "."!r})]
+        imported = sorted(k for k in sys.modules if k.startswith({package + "."!r}))
+        cls = (lambda x: x) if {holds!r} == "class" else type
+        registered = sorted([cls(i).__module__, cls(i).__name__] for i in items)
+        print(json.dumps({{"walked": walked, "imported": imported, "registered": registered}}))
+    """)
+
+
+@pytest.mark.parametrize("kind", sorted(PLUGINS))
+def test_mechanisms_and_attacks_are_discovered_from_their_files(kind):
+    package, folder, decorator, _, _, helpers = PLUGINS[kind]
+    got = _plugin_registry(kind)
+    walked, imported = set(got["walked"]), set(got["imported"])
+    assert walked <= imported, f"discovery missed {sorted(walked - imported)}"
+    scanned = []
+    for path in sorted(folder.glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        classes = _decorated(path, decorator)
+        if path.stem in helpers:
+            assert not classes, f"{path.name} registers {classes}: take it off the helpers of PLUGINS[{kind!r}]"
+        else:
+            assert classes, f"{folder.name}/{path.name} registers nothing with @{decorator}"
+        scanned += [[f"{package}.{path.stem}", c] for c in classes]
+    assert got["registered"] == sorted(scanned)
+
+
+@pytest.mark.parametrize("kind", sorted(PLUGINS))
+def test_a_mechanism_or_an_attack_in_a_new_file_is_found_without_editing_any_other(tmp_path, kind):
+    package = PLUGINS[kind][0]
+    (tmp_path / "zz_discovery_probe.py").write_text(textwrap.dedent(PROBES[kind]))
+    got = _plugin_registry(kind, str(tmp_path))
+    assert [f"{package}.zz_discovery_probe", "DiscoveryProbe"] in got["registered"]
+    assert len(got["registered"]) == len(_plugin_registry(kind)["registered"]) + 1
 
 
 FORBIDDEN = {

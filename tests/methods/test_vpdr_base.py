@@ -170,7 +170,7 @@ def _client(tmp_path, cache_dir, backbone, privacy, **section):
 def test_dcr_warmup_teacher_and_step_counter_across_rounds(tmp_path, cache_dir, backbone):
     server, host = _client(tmp_path, cache_dir, backbone, "dcr", warmup=6)
     steps_per_round = 300 // 64  # 300 training images, batch 64, drop_last
-    head0 = {k: v.clone() for k, v in host.method.model(host.env, host._private(0)).head.state_dict().items()}
+    head0 = {k: v.clone() for k, v in host.method.model(host.env, host.private_state(0)).head.state_dict().items()}
     _, rep = host.train(0, [0], server.get_shared())
     p = host.private[0]
     assert p["steps"] == steps_per_round and "kd" not in rep[0].metrics  # 4 steps < warm-up 6: no KD yet

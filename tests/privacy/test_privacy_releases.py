@@ -218,7 +218,8 @@ def test_full_dp_run_spends_its_target_and_absent_clients_spend_nothing(tmp_path
     sched = schedule(seed, rounds, K, part)
     absent = sorted(set(range(K)) - {c for p in sched for c in p})
     assert absent, "the test needs a seed where some client never takes part"
-    cfg = tiny_config(tmp_path, cache_dir, seed=seed, rounds=rounds, participation=part, shots=16, batch_size=8,
+    cfg = tiny_config(tmp_path, cache_dir, train={"seed": seed, "rounds": rounds, "participation": part, "batch_size": 8},
+                      data={"shots": 16},
                       **{"dp": {"epsilon": 2.0, "accountant": accountant, "sampling": "poisson"}})
     out = run(cfg).out_dir
     rows = list(csv.DictReader(open(out / "client_results.csv")))
@@ -255,7 +256,7 @@ def test_no_loss_or_metric_reaches_the_server(tmp_path, cache_dir, monkeypatch):
         return original(self, env, shared, uploads, rng)
 
     monkeypatch.setattr(FedSEPT, "aggregate", spy)
-    res = run(tiny_config(tmp_path, cache_dir, method="fedsept", rounds=1))
+    res = run(tiny_config(tmp_path, cache_dir, method="fedsept", train={"rounds": 1}))
     assert seen and all(set(vars(u)) == {"client_id", "tensors", "num_samples"} and set(u.tensors) == {"A"} for u in seen)
     rows = list(csv.DictReader(open(res.out_dir / "results.csv")))
     assert {"train_ce", "train_div", "train_gate"} <= set(rows[0])  # the loss terms went to the driver instead
