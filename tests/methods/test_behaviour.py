@@ -24,12 +24,11 @@ from typing import Any, Iterator
 import pytest
 import torch
 import torch.nn.functional as F
+from test_conformance import FAST  # the same speed-only settings (pytest puts this folder on sys.path)
 
 from raysim.methods import method_names
 from raysim.methods.base import ServerResult, Upload, broadcast_state
 from raysim.sampling import generator
-
-from test_conformance import FAST  # the same speed-only settings (pytest puts this folder on sys.path)
 
 CLIENTS = [0, 1, 2]
 _SETTINGS: dict[tuple[str, str], "Setting"] = {}
@@ -292,8 +291,8 @@ def test_client_level_noise_is_the_calibrated_std(tmp_path_factory, monkeypatch,
     """Under dp.level=client, the same client round released twice under two noise streams: the releases of
     every update-released upload differ by N1 - N2 (the clean clipped update cancels), whose std is
     sqrt(2) * 2 C z with z the mechanism's calibrated multiplier; every other upload is the same both times."""
-    from raysim.errors import ConfigError
     import raysim.privacy.host as privacy_host
+    from raysim.errors import ConfigError
 
     try:
         s = setting(tmp_path_factory, name, "dp", dp={"epsilon": 4.0, "level": "client"})

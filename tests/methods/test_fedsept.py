@@ -196,7 +196,8 @@ def test_each_variant_trains_under_dp(env, opts, shape, private_keys):
     assert (clean.upload["A"] - res.upload["A"]).abs().max() > 1e-4 * clean.upload["A"].abs().max()
     if "R" in res.private:  # the private residual is part of the evaluated prompts
         # (a random move: a constant shift of every entry would be removed by the text tower's LayerNorms)
-        moved = {**res.private, "R": res.private["R"] + 0.5 * torch.randn(res.private["R"].shape, generator=torch.Generator().manual_seed(3))}
+        R = res.private["R"]
+        moved = {**res.private, "R": R + 0.5 * torch.randn(R.shape, generator=torch.Generator().manual_seed(3))}
         assert (m.predictor(env, res.upload, moved)(x) - logits).abs().max() > 1e-4 * logits.abs().max()
 
 

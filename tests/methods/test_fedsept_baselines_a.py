@@ -225,8 +225,9 @@ def test_fedotp_trains_both_prompts_and_uploads_prompt_0(tiny, tokens):
     assert logits.shape == (4, len(CLASSES))
     # the evaluated model is built from both prompts (in either token mode): moving either moves the logits
     g = torch.Generator().manual_seed(4)
-    for moved_shared, moved_private in (({"ctx": shared["ctx"] + 0.5 * torch.randn(shared["ctx"].shape, generator=g)}, out.private),
-                                        (shared, {"ctx_local": out.private["ctx_local"] + 0.5 * torch.randn(out.private["ctx_local"].shape, generator=g)})):
+    ctx, local = shared["ctx"], out.private["ctx_local"]
+    for moved_shared, moved_private in (({"ctx": ctx + 0.5 * torch.randn(ctx.shape, generator=g)}, out.private),
+                                        ({}, {"ctx_local": local + 0.5 * torch.randn(local.shape, generator=g)})):
         p2 = m.predictor(env, {**shared, **moved_shared}, moved_private)
         other = p2(d.x_test, d.tokens_test) if tokens == "patch" else p2(d.x_test)
         assert (other - logits).abs().max() > 1e-4 * logits.abs().max()  # float32 logits; a read prompt moves them far more
