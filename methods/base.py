@@ -147,6 +147,12 @@ class Method:
     # client predicts with the one global model, so evaluation scores that model once per test row instead
     # of once per client (the numbers are the same). tests/engine/test_eval_scale.py checks it against behaviour.
     global_predictor: ClassVar[bool] = False
+    # What the behaviour tests check (tests/methods/test_behaviour.py), declared here and read by no engine code:
+    loss_weights: ClassVar[dict[str, str]] = {}  # each loss term besides the data term -> the option that weighs it (0 drops it)
+    eval_ignores: ClassVar[tuple[str, ...]] = ()  # broadcast / private tensors (dotted paths, or a prefix) the predictor does not read
+    eval_options: ClassVar[tuple[str, ...]] = ()  # numeric options the predictor reads (changing one changes the logits)
+    averaged: ClassVar[tuple[str, ...]] = ()  # uploads the server replaces by their sample-weighted mean (FedAvg)
+    trains: ClassVar[bool] = True  # False: nothing is learnt (zero-shot)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -219,6 +219,7 @@ class VPDRMethod(Method):
     """Base of the VPDR ProtoPFL frameworks (see the module docstring for the hooks)."""
 
     Options: ClassVar[type] = VPDROptions
+    eval_ignores: ClassVar[tuple[str, ...]] = ("opt",)  # the optimiser state only continues training
     releases: ClassVar[dict[str, ReleaseSpec]] = {"protos": prototype(), "counts": public(COUNTS_NOTE)}
     loss_names: ClassVar[tuple[str, ...]] = ("ce",)
     release_first: ClassVar[bool] = True  # SPEC 3.4: release, aggregate, broadcast, then train (module docstring)

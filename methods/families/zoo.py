@@ -8,7 +8,7 @@ The prototype arithmetic is methods/families/prototype.py's."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
@@ -182,6 +182,7 @@ class GlobalHead:
 
     opts: Any
     model: Callable[[HtEnv, dict[str, Any]], HtModel]  # HeteroMethod's (an annotation: nothing shadowed)
+    eval_ignores: ClassVar[tuple[str, ...]] = ("model.head",)  # the global head replaces the own one
 
     def init_head(self, env: HtEnv, rng: torch.Generator) -> dict[str, Tensor]:
         """A freshly initialised Linear(d, C) (PyTorch's default init), a function of `rng` only."""

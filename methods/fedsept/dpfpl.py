@@ -73,6 +73,7 @@ def factorize(X: Tensor, rank: int, rng: torch.Generator) -> tuple[Tensor, Tenso
 @register_method
 class DPFPL(ClipPromptMethod):
     name = "dpfpl"
+    averaged = ("global_ctx",)
     Options = DPFPLOptions
     releases = {"global_ctx": dpsgd()}
 

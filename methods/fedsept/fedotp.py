@@ -83,6 +83,7 @@ def ot_logits(scale: float, local: Tensor, text: Tensor, *, eps: float, thresh: 
 @register_method
 class FedOTP(ClipPromptMethod):
     name = "fedotp"
+    averaged = ("ctx",)
     Options = FedOTPOptions
     releases = {"ctx": dpsgd()}
     client_metrics = ("loss",)

@@ -65,6 +65,8 @@ def prompt_contrast(t0: Tensor, t_global: Tensor, t_full: Tensor, temperature: f
 @register_method
 class FedPGP(ClipPromptMethod):
     name = "fedpgp"
+    loss_weights = {"prompt-wise contrast": "weight"}
+    averaged = ("global_ctx",)
     Options = FedPGPOptions
     releases = {"global_ctx": dpsgd()}
     client_metrics = ("loss", "ce", "contrast")

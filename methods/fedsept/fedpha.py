@@ -72,6 +72,8 @@ def pull_push(t_local: Tensor, t_proj: Tensor, t_global: Tensor, alpha: float) -
 @register_method
 class FedPHA(ClipPromptMethod):
     name = "fedpha"
+    eval_ignores = ("ctx_global",)  # the client predicts with its local prompt; G only shapes its training
+    averaged = ("ctx_global",)
     Options = FedPHAOptions
     releases = {"ctx_global": dpsgd()}
     client_metrics = ("loss", "ce_local", "ce_global", "pull", "push")

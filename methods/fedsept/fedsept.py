@@ -84,6 +84,9 @@ class FedSEPTOptions:
 @register_method
 class FedSEPT(ClipPromptMethod):
     name = "fedsept"
+    loss_weights = {"L_div": "lambda_div", "L_gate": "lambda_gate"}
+    eval_ignores = ("router.probe",)  # inert in the official pooled router (one key per image: attention weight 1)
+    averaged = ("A",)
     Options = FedSEPTOptions
     releases = {"A": dpsgd()}
     client_metrics = ("loss", "ce", "div", "gate")

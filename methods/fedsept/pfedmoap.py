@@ -110,6 +110,11 @@ def select_experts(own: Tensor, bank: Tensor, seen: Tensor, me: int, num_experts
 @register_method
 class PFedMoAP(ClipPromptMethod):
     name = "pfedmoap"
+    # evaluation: the client's own last ctx (not the FedAvg one); bank_seen is a 0/1 mask; a key bias adds
+    # q . b to every score of a query, which the softmax cancels
+    eval_ignores = ("shared:ctx", "bank_seen", "gating.W_k.bias")
+    eval_options = ("lmbda",)
+    averaged = ("ctx",)
     Options = PFedMoAPOptions
     releases = {"ctx": dpsgd()}
     supports_ctx_init = True  # like PromptFL: train.ctx_init (ctx_init="" is the paper's N(0, 0.02^2))

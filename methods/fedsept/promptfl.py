@@ -17,6 +17,7 @@ from raysim.privacy.mechanisms import dpsgd
 @register_method
 class PromptFL(ClipPromptMethod):
     name = "promptfl"
+    averaged = ("ctx",)
     releases = {"ctx": dpsgd()}
     global_predictor = True  # every client predicts with the broadcast context
     supports_ctx_init = True

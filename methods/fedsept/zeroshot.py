@@ -22,6 +22,7 @@ class ZeroShot(ClipPromptMethod):
     name = "zeroshot"
     Options = ZeroShotOptions
     releases = {}  # nothing leaves a client
+    trains = False  # nothing is learnt
     global_predictor = True  # the frozen CLIP, the same for every client
     client_metrics = ()
 

@@ -95,6 +95,8 @@ def align_loss(feats: Tensor, y: Tensor, anchors: Tensor, kind: str = "ce", tau:
 @register_method
 class AlignFed(HeteroMethod):
     name = "alignfed"
+    loss_weights = {"alignment": "lam"}
+    eval_ignores = ("anchors", "round", "model.head")  # train-time; the global head replaces the own one
     Options = Options
     releases = {"head_weight": update(), "head_bias": update()}  # the shared head (dp.level=client)
     client_metrics = ("loss", "ce", "align", "lam")

@@ -48,6 +48,7 @@ class Options:
 @register_method
 class FedAvg(Homogeneous, HeteroMethod):
     name = "fedavg"
+    averaged = ("weights",)
     Options = Options
     releases = {"weights": update()}  # the whole trained model: private only as a user-level update (dp.level=client)
     global_predictor = True  # every client evaluates the global model w (unless finetune_epochs > 0)

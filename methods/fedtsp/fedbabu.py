@@ -42,6 +42,7 @@ class Options:
 @register_method
 class FedBABU(Homogeneous, HeteroMethod):
     name = "fedbabu"
+    averaged = ("body",)
     Options = Options
     releases = {"body": update()}  # the trained body: private only as a user-level update (dp.level=client)
     global_predictor = True  # every client evaluates the global body and head (unless finetune_epochs > 0)

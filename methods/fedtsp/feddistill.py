@@ -49,6 +49,8 @@ class Options(ZooModelOptions):
 @register_method
 class FedDistill(HeteroMethod):
     name = "feddistill"
+    loss_weights = {"distillation": "lam"}
+    eval_ignores = ("logits", "has")  # the global class logits only teach
     Options = Options
     releases = {"logits": prototype(), "counts": public(COUNTS_NOTE)}
     client_metrics = ("loss", "ce", "mse")

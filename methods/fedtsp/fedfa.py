@@ -82,6 +82,9 @@ def anchor_update(anchors: Tensor, batch_mean_sum: Tensor, num_batches: int, hel
 @register_method
 class FedFA(Homogeneous, HeteroMethod):
     name = "fedfa"
+    loss_weights = {"anchor": "lam"}
+    eval_ignores = ("anchors",)  # train-time
+    averaged = ("weights", "anchors")
     Options = Options
     releases = {"weights": update(), "anchors": update()}  # user-level updates of the broadcast (dp.level=client)
     global_predictor = True  # every client evaluates the global model (unless finetune_epochs > 0)

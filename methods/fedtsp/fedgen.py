@@ -114,6 +114,7 @@ def train_generator(gen: Generator, heads: Sequence[tuple[Tensor, Tensor]], weig
 @register_method
 class FedGen(LGFedAvg):
     name = "fedgen"
+    eval_ignores = ("model.head", "gen", "label_counts")  # the generator and counts only shape training
     Options = Options
     releases = {"head.weight": update(), "head.bias": update(), "counts": public(COUNTS_NOTE)}
     server_only = ()  # G is broadcast (the clients' regulariser samples from it); see the module docstring

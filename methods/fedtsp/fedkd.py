@@ -129,6 +129,7 @@ def adaptive_losses(z_t: Tensor, z_s: Tensor, f_t: Tensor, f_s: Tensor, y: Tenso
 @register_method
 class FedKD(SharedSmallModel):
     name = "fedkd"
+    eval_ignores = ("round", "weights", "W_h")  # the private mentor predicts; mentee and W_h only teach
     Options = Options
     releases = {"weights": update()}  # the mentee only: private only as a user-level update (dp.level=client)
     client_metrics = ("loss", "ce", "kd", "hidden", "ce_mentee", "kd_mentee", "upload_ratio")

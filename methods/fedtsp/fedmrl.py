@@ -57,6 +57,7 @@ def fuse(g: HtModel, f: HtModel, proj: nn.Module, x: Tensor, sub_dim: int) -> tu
 @register_method
 class FedMRL(SharedSmallModel):
     name = "fedmrl"
+    eval_ignores = ("proj_init",)  # read only without persist_projector
     Options = Options
     releases = {"weights": update()}  # the shared small model only (dp.level=client)
     client_metrics = ("loss", "ce_hetero", "ce_homo")

@@ -147,6 +147,9 @@ def combination_weights(V: Tensor, H: Tensor, iters: int = 2000, min_weight: flo
 @register_method
 class FedPAC(Homogeneous, HeteroMethod):
     name = "fedpac"
+    loss_weights = {"feature alignment": "lam"}
+    eval_ignores = ("protos", "has")  # train-time
+    averaged = ("body",)
     Options = Options
     releases = {
         "body": update(),  # the trained body (a user-level update at dp.level=client)

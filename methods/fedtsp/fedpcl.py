@@ -83,6 +83,7 @@ def pcl_loss(z: Tensor, y: Tensor, global_protos: Tensor, client_protos: Tensor,
 @register_method
 class FedPCL(HeteroMethod):
     name = "fedpcl"
+    eval_ignores = ("client_protos", "client_has", "model.head")  # train-time; the own head is not the predictor
     Options = Options
     releases = {"protos": prototype(), "counts": public(COUNTS_NOTE)}
     client_metrics = ("loss", "global", "clients")

@@ -51,6 +51,8 @@ class Options(ZooOptions):
 @register_method
 class FedProto(HeteroMethod):
     name = "fedproto"
+    loss_weights = {"prototype MSE": "lam"}
+    eval_ignores: ClassVar[tuple[str, ...]] = ("protos", "has")  # train-time
     Options: ClassVar[type[ZooOptions]] = Options  # subclasses (FedTGP) bring their own ZooOptions
     releases = {"protos": prototype(), "counts": public(COUNTS_NOTE)}
     # protocol=htfllib: the class means are collected from the training batches (HtFLlib's clientproto);

@@ -99,6 +99,7 @@ def seeded_generator(env, hidden: int, shared=None, rng=None) -> PrototypeGenera
 @register_method
 class FedTGP(FedProto):
     name = "fedtgp"
+    eval_ignores = ("protos", "has", "margin")  # train-time
     Options = Options
     server_only = ("gen",)  # the generator trains and stays on the server; clients get its prototypes
     server_metrics = ("loss",)

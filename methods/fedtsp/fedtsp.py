@@ -132,6 +132,8 @@ class TSPEnv(HtEnv):
 @register_method
 class FedTSP(HeteroMethod):
     name = "fedtsp"
+    loss_weights = {"text-prototype alignment": "lam"}
+    eval_ignores = ("logit_scale", "text_protos")  # train-time: the client's own model predicts
     Options = Options
     releases = {"protos": prototype(), "counts": public(COUNTS_NOTE), "text_emb": embedding()}
     # trainable prompt vectors and the received description release live on the server; clients get P^T

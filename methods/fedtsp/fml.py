@@ -72,6 +72,8 @@ def mutual_losses(z_local: Tensor, z_meme: Tensor, y: Tensor, alpha: float, beta
 @register_method
 class FML(SharedSmallModel):
     name = "fml"
+    loss_weights = {"local CE": "alpha", "meme CE": "beta"}
+    eval_ignores = ("weights",)  # the local model predicts; the meme model only teaches
     Options = Options
     releases = {"weights": update()}  # the meme model only: private only as a user-level update (dp.level=client)
     client_metrics = ("loss", "ce", "kl", "ce_meme", "kl_meme")

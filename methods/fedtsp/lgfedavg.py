@@ -41,6 +41,7 @@ class LGFedAvg(GlobalHead, HeteroMethod):
     name = "lgfedavg"
     Options: ClassVar[type] = Options
     releases = {"head.weight": update(), "head.bias": update()}  # the head only; the extractor stays local
+    averaged = ("head.weight", "head.bias")
 
     def init_shared(self, env: HtEnv, rng: torch.Generator) -> dict[str, Tensor]:
         return self.init_head(env, rng)

@@ -96,6 +96,8 @@ class Options(VPDROptions):
 @register_method
 class VPDRFedPLVM(VPDRMethod):
     name = "vpdr_fedplvm"
+    loss_weights = {"L_contra + L_corr": "weight"}
+    eval_ignores = ("opt", "centres")
     Options = Options
     releases = {"centres": prototype(), "centre_labels": public(CENTRES_NOTE)}
     loss_names = ("ce", "contra", "corr")

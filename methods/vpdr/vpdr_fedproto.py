@@ -56,6 +56,8 @@ def aggregate_all_clients(protos: Tensor, counts: Tensor, sizes: Tensor) -> tupl
 @register_method
 class VPDRFedProto(VPDRMethod):
     name = "vpdr_fedproto"
+    loss_weights = {"prototype MSE": "lam"}
+    eval_ignores = ("opt", "has", "protos")
     Options = Options
     loss_names = ("ce", "proto")
 

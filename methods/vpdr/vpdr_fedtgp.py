@@ -82,6 +82,8 @@ class Options(VPDROptions):
 @register_method
 class VPDRFedTGP(VPDRMethod):
     name = "vpdr_fedtgp"
+    loss_weights = {"prototype margin": "lam"}
+    eval_ignores = ("opt", "has", "protos")
     Options = Options
     loss_names = ("ce", "proto")
     server_only = ("gen",)  # the generator trains and stays on the server; clients get G(c)

@@ -126,6 +126,8 @@ class Options(VPDROptions):
 @register_method
 class VPDRFPL(VPDRMethod):
     name = "vpdr_fpl"
+    loss_weights = {"contrast": "contra_weight", "MSE": "mse_weight"}
+    eval_ignores = ("opt", "centres", "has", "unbiased")
     Options = Options
     loss_names = ("ce", "contra", "mse")
 

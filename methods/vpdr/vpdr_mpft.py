@@ -155,6 +155,8 @@ class Options(VPDROptions):
 @register_method
 class VPDRMPFT(VPDRMethod):
     name = "vpdr_mpft"
+    loss_weights = {"KD": "kd_beta"}
+    eval_ignores = ("opt", "head", "trained")  # the server head only teaches
     Options = Options
     loss_names = ("ce", "distill")
     server_only = ("server",)  # the extra adapter and its round count stay on the server

@@ -188,8 +188,17 @@ def test_each_variant_trains_under_dp(env, opts, shape, private_keys):
     assert dp.steps == 2 == m.dp_steps_per_round(8)
     assert res.upload["A"].shape == shape and not torch.equal(res.upload["A"], shared["A"])
     assert math.isfinite(res.metrics["loss"])
-    logits = m.predictor(env, res.upload, res.private)(client_data(env).x_test)
+    x = client_data(env).x_test
+    logits = m.predictor(env, res.upload, res.private)(x)
     assert logits.shape == (4, len(CLASSES)) and torch.isfinite(logits).all()
+    # DP-SGD noised A: the same round without DP (same batches: same rng) uploads a different A
+    clean = m.local_train(env, shared, private, client_data(env), rng=torch.Generator().manual_seed(2), privacy=NoDP())
+    assert (clean.upload["A"] - res.upload["A"]).abs().max() > 1e-4 * clean.upload["A"].abs().max()
+    if "R" in res.private:  # the private residual is part of the evaluated prompts
+        # (a random move: a constant shift of every entry would be removed by the text tower's LayerNorms)
+        R = res.private["R"]
+        moved = {**res.private, "R": R + 0.5 * torch.randn(R.shape, generator=torch.Generator().manual_seed(3))}
+        assert (m.predictor(env, res.upload, moved)(x) - logits).abs().max() > 1e-4 * logits.abs().max()
 
 
 def test_cache_uncached_and_fusion_semantics(env):
@@ -209,10 +218,16 @@ def test_cache_uncached_and_fusion_semantics(env):
         best = router(x).argmax(-1)
     expect = env.logit_scale * torch.stack([x[i] @ text[best[i]].t() for i in range(len(x))])
     torch.testing.assert_close(m.predictor(env, shared, private)(x), expect, rtol=1e-5, atol=1e-5)
-    # uniform weights and uniform prompt mixing are different models; with one expert they coincide
+    # uniform weights: logit fusion is the mean of the M experts' logits (Eq. 9 at pi = 1/M), prompt fusion
+    # (FedSEPT-PF) the logits of the mean prompt; they are different models
     pf = make(fusion="prompt", variant="uniform").predictor(env, shared, {"R": private["R"]})(x)
     lf = make(variant="uniform").predictor(env, shared, {"R": private["R"]})(x)
-    assert not torch.allclose(pf, lf)
+    prompts = shared["A"].view(4, L, -1) @ P + private["R"]
+    mean_logits = env.logit_scale * torch.einsum("bd,mcd->bc", x, env.prompts.text_features(prompts)) / 4
+    mean_prompt = env.logit_scale * x @ env.prompts.text_features(prompts.mean(0)).t()
+    torch.testing.assert_close(lf, mean_logits, rtol=1e-5, atol=1e-5)  # float32, reassociated sums
+    torch.testing.assert_close(pf, mean_prompt, rtol=1e-5, atol=1e-5)
+    assert (pf - lf).abs().max() > 1e-3 * lf.abs().max()
 
 
 def test_options_are_validated_and_the_probe_is_inert_with_one_key():
@@ -234,8 +249,13 @@ def test_options_are_validated_and_the_probe_is_inert_with_one_key():
     pooled(torch.randn(3, 32)).pow(2).sum().backward()
     # one key: the softmax weight is 1 whatever u is, so u's gradient is 0 up to float32 round-off
     # (seen 2e-11 to 8e-11 depending on the CPU, against ~1e-2 for the in-projection)
-    if pooled.probe.grad is not None:
-        assert pooled.probe.grad.norm() <= 1e-6 * pooled.attn.in_proj_weight.grad.norm()
+    assert pooled.probe.grad is not None  # u is in the graph (through the query), so it gets a gradient
+    assert pooled.probe.grad.norm() <= 1e-6 * pooled.attn.in_proj_weight.grad.norm()
+    feats = torch.randn(3, 32)
+    before = pooled(feats)
+    with torch.no_grad():
+        pooled.probe.mul_(-3.0).add_(1.0)
+    torch.testing.assert_close(pooled(feats), before)  # and moving it changes nothing (float32 round-off)
     with pytest.raises(ConfigError):
         r(torch.randn(3, 32))
 

@@ -223,6 +223,14 @@ def test_fedotp_trains_both_prompts_and_uploads_prompt_0(tiny, tokens):
     predict = m.predictor(env, shared, out.private)
     logits = predict(d.x_test, d.tokens_test) if tokens == "patch" else predict(d.x_test)
     assert logits.shape == (4, len(CLASSES))
+    # the evaluated model is built from both prompts (in either token mode): moving either moves the logits
+    g = torch.Generator().manual_seed(4)
+    ctx, local = shared["ctx"], out.private["ctx_local"]
+    for moved_shared, moved_private in (({"ctx": ctx + 0.5 * torch.randn(ctx.shape, generator=g)}, out.private),
+                                        ({}, {"ctx_local": local + 0.5 * torch.randn(local.shape, generator=g)})):
+        p2 = m.predictor(env, {**shared, **moved_shared}, moved_private)
+        other = p2(d.x_test, d.tokens_test) if tokens == "patch" else p2(d.x_test)
+        assert (other - logits).abs().max() > 1e-4 * logits.abs().max()  # float32 logits; a read prompt moves them far more
     if tokens == "pooled":  # the official degenerate transport: the mean of the two prompts' logits
         text = env.prompts.text_features(torch.stack([shared["ctx"], out.private["ctx_local"]]))
         s = env.logit_scale

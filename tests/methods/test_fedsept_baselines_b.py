@@ -97,13 +97,18 @@ def _hosts(tmp_path, cache_dir, method, **extra):
 @pytest.mark.parametrize("epsilon", [math.inf, 2.0])
 def test_pfedmoap_uploads_only_ctx_and_broadcasts_only_released_tensors(tmp_path, cache_dir, epsilon):
     cfg, server, host = _hosts(tmp_path, cache_dir, "pfedmoap", dp={"epsilon": epsilon})
+    gating = []
     for r in range(2):
         shared = server.get_shared()
         uploads, _ = host.train(r, [0, 1, 2], shared)
+        gating.append({k: v.clone() for k, v in host.private[0]["gating"].items()})
         assert all(set(u.tensors) == {"ctx"} for u in uploads)  # the gating head and own ctx copy stay
         server.aggregate(r, uploads)
         after = server.get_shared()
         assert set(after) == {"ctx", "bank", "bank_seen"}
+        n = [u.num_samples for u in uploads]  # ctx is the FedAvg of the released uploads
+        fedavg = sum(u.tensors["ctx"] * k for u, k in zip(uploads, n)) / sum(n)
+        torch.testing.assert_close(after["ctx"], fedavg, rtol=1e-5, atol=1e-6)  # float32 sums in another order
         for u in uploads:  # the bank is the released uploads themselves (post-processing), nothing else
             assert torch.equal(after["bank"][u.client_id], u.tensors["ctx"])
         assert after["bank_seen"].tolist() == [1.0, 1.0, 1.0, 0.0]
@@ -113,6 +118,8 @@ def test_pfedmoap_uploads_only_ctx_and_broadcasts_only_released_tensors(tmp_path
     assert set(host.private[0]) == {"client", "ctx", "gating"}
     assert host.method.experts(host.env, server.get_shared(), host.private[0]).shape[0] == 2  # min(8, 4) - 1 = 3; 2 uploaded others
     assert set(host.private[0]["gating"]) == set(init["gating"])
+    # without experts in round 0 the gate is unused (nothing moves it); with them in round 1 it trains
+    assert any(not torch.equal(gating[1][k], gating[0][k]) for k in gating[0])
 
 
 def test_pfedmoap_first_participation_uses_local_logits_only(tmp_path, cache_dir):
