@@ -225,6 +225,16 @@ class Method:
         option makes it personal, e.g. the -FT methods' head fine-tuning)."""
         return self.global_predictor
 
+    # -- lock-step rounds ----------------------------------------------------------------------
+    def lockstep_steps(self, num_train: Sequence[int]) -> int:
+        """0 (the default): a round is one `local_train` per participant, then one `aggregate`. S > 0: the
+        round runs in lock-step, S times over (`num_train`: every client's training-set size): every
+        participant makes one local step (`local_train`, uploading e.g. its clipped gradient), the server
+        aggregates those and broadcasts, and so on; evaluation and the checkpoint follow the S-th step.
+        Each call of a round gets the same (round, client) / (round) streams: a method that uses it tells
+        its steps apart by a counter in its own state (DP-FPL's reference mode, methods/fedsept/dpfpl.py)."""
+        return 0
+
     # -- accounting --------------------------------------------------------------------------
     def dp_steps_per_round(self, num_train: int) -> int:
         """DP-SGD steps one participation costs (used to calibrate sigma before training)."""

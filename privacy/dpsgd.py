@@ -340,6 +340,7 @@ class BatchClipSGD(_Standalone):
         self.steps = 0
         self.trained: dict[str, Tensor] = {}
         self.names_each_step: list[frozenset[str]] = []
+        self.grads: dict[str, Tensor] = {}  # the last step's clipped (noised) gradient of each dp_params entry
 
     def backward(self, per_sample_loss: Tensor, dp_params, other_params: Sequence[Tensor] = (), public_loss: Tensor | None = None) -> None:
         named = _named(dp_params)
@@ -355,13 +356,14 @@ class BatchClipSGD(_Standalone):
             grads = [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(raw, dp_list)]
             norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
             scale = min(1.0, self.clip / max(norm, 1e-12))
-            for j, (p, g) in enumerate(zip(dp_list, grads)):
+            for j, (key, p, g) in enumerate(zip(named, dp_list, grads)):
                 total = g * scale
                 if self.std > 0:
                     total = total + gaussian_noise_like(total, self.std, self.generator)
                 if public_grads is not None and public_grads[j] is not None:
                     total = total + public_grads[j].detach()
                 p.grad = total.detach().to(p.dtype)
+                self.grads[key] = p.grad.detach().cpu().clone()
         _plain_grads(loss, other_params)
         self.trained.update(named)
         self.names_each_step.append(frozenset(named))

@@ -66,6 +66,9 @@ class Release:
     # code: fixed-size shuffled batches, accounted as if Poisson); "" for releases without sampling
     sampling: str = ""
     valid: bool = True  # False: a reference code's noise, not a valid guarantee at the claimed epsilon
+    # what the reference code would report for this release (its target epsilon), kept beside the ledger's
+    # own epsilon; None for a valid release
+    claimed_epsilon: float | None = None
 
 
 class PrivacyLedger:
@@ -137,6 +140,12 @@ class PrivacyLedger:
     def valid(self) -> bool:
         """False when a release was made with a reference code's noise that is not a valid guarantee."""
         return all(r.valid for r in self.releases)
+
+    def claimed_epsilon(self) -> float | None:
+        """The epsilon a reference code would print for these releases (the largest one its invalid releases
+        claim), beside `epsilon()`, the ledger's own; None when no release claims one."""
+        claims = [float(r.claimed_epsilon) for r in self.releases if r.claimed_epsilon is not None]
+        return max(claims) if claims else None
 
     def remaining(self) -> float:
         return self.target_epsilon - self.epsilon()

@@ -11,17 +11,25 @@ Prompt  P_k = G + U_k V_k + S_k: G (L x w) is the shared `global_ctx`; U_k (L x 
 Client  CE on s * cos(v(x), t_c(P_k)); G, U, V and S all train; only G is uploaded.
 Server  FedAvg of G; the evaluated model is the latest global G with the client's own U, V, S (SPEC 1.8).
 DP      dp_mode=per_example (default): DP-SGD on G through `privacy.backward`, accounted by the host like
-        every dpsgd release; U, V, S take the plain gradient. dp_mode=reference: the DP-FPL code's noise,
-        declared as a `reference` release (privacy/mechanisms.py DPFPLReference): the batch-mean gradient
-        of G is clipped to dp.clip as a whole and N(0, (sigma C/B)^2) added with sigma = sqrt(T ln(1/delta))
-        / epsilon. That is NOT a valid DP guarantee (one example moves the clipped batch gradient by up to
-        2C, not C/B); the ledger marks it valid=False and the run logs a warning. The method code is the
-        same in both modes: only the declared release differs.
+        every dpsgd release; U, V, S take the plain gradient. dp_mode=reference: the DP-FPL code
+        (linhhtran/DP-FPL federated_main.py, trainers/DP_FPL.py), a lock-step round (`lockstep_steps`):
+        at every local step each client clips the batch-mean gradient of G to NORM_THRESH C as a whole
+        (no noise; `privacy.backward` with the `dpfpl_reference` mechanism) and uploads it as `global_grad`;
+        U and V get their gradients clipped to C and N(0, (sigma C/B)^2) added locally; U, V, S step.
+        The server averages the K gradients, adds N(0, (sigma C/(B K))^2) and steps G (SGD with momentum
+        and weight decay, its state in the server-only `momentum`), sigma = sqrt(T ln(1/delta)) / epsilon
+        (q = 1, T = train.rounds). The upload carries no noise, so this is NOT a local-DP guarantee: the
+        ledger marks each step valid=False (epsilon inf) with claimed_epsilon = dp.epsilon. Not reproduced:
+        the code's one optimiser shared by all clients (its momentum on G is stepped K times per step) and
+        its stepping every client's U, V with the last client's gradients (the model object is shared).
+        Optimiser state is fresh each round here, as for every method (SPEC 1.7 [decide]).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +39,8 @@ from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, LocalResult, register_method, weighted_mean
 from raysim.methods.families.prompt import ClipPromptMethod, PromptLossParts, sgd
 from raysim.privacy.mechanisms import dpsgd, reference
+from raysim.privacy.mechanisms.dpfpl_reference import local_noise_std, server_noise_std
+from raysim.sampling import batches_per_epoch, generator
 
 DP_MODES = ("per_example", "reference")
 
@@ -38,9 +48,12 @@ DP_MODES = ("per_example", "reference")
 @dataclass
 class DPFPLOptions:
     rank: int = 16  # r of U V (B.2); capped at min(r, n_ctx, width)
-    dp_mode: str = "per_example"  # per_example (DP-SGD, accounted) | reference (the DP-FPL code's noise: NOT valid DP)
+    dp_mode: str = "per_example"  # per_example (DP-SGD, accounted) | reference (the DP-FPL code, lock-step: NOT local DP)
+    norm_thresh: float = 10.0  # dp_mode=reference: the code's NORM_THRESH, the clip of the G, U and V gradients
 
     def validate(self) -> None:
+        if not (self.norm_thresh > 0 and math.isfinite(self.norm_thresh)):
+            raise ConfigError(f"dpfpl.norm_thresh must be a finite number > 0, got {self.norm_thresh}")
         if self.rank < 1:
             raise ConfigError(f"dpfpl.rank must be >= 1, got {self.rank}")
         if self.dp_mode not in DP_MODES:
@@ -76,21 +89,61 @@ class DPFPL(ClipPromptMethod):
     averaged = ("global_ctx",)
     Options = DPFPLOptions
     releases = {"global_ctx": dpsgd()}
+    server_only = ("momentum", "lockstep")  # dp_mode=reference: the server's optimiser state and step counter
 
     def __init__(self, train, options, dp=None) -> None:
         super().__init__(train, options, dp)
-        if options.dp_mode == "reference":  # the same tensor, released with the reference code's noise
-            self.releases = {"global_ctx": reference()}  # type: ignore[misc]  # per instance: it depends on dp_mode
+        if options.dp_mode == "reference":  # lock-step: the clipped gradient of G is uploaded, each step
+            self.releases = {"global_grad": reference()}  # type: ignore[misc]  # per instance: it depends on dp_mode
+            self.uploads = ("global_grad",)  # type: ignore[misc]
+
+    @property
+    def lockstep(self) -> bool:
+        return self.opts.dp_mode == "reference"
+
+    def lockstep_steps(self, num_train: Sequence[int]) -> int:
+        """dp_mode=reference: every client steps local_epochs times through its batches, in lock-step with
+        the others (the code loops over the batch count of the loaders)."""
+        if not self.lockstep:
+            return 0
+        return self.train.local_epochs * max(batches_per_epoch(int(n), self.train.batch_size) for n in num_train)
 
     def rank(self, env) -> int:
         return max(1, min(self.opts.rank, self.train.n_ctx, env.ctx_width))
 
     # -- server half -------------------------------------------------------------------------
     def init_shared(self, env, rng):
-        return {"global_ctx": torch.randn(self.train.n_ctx, env.ctx_width, generator=rng) * 0.02}
+        G = torch.randn(self.train.n_ctx, env.ctx_width, generator=rng) * 0.02
+        if self.lockstep:
+            return {"global_ctx": G, "momentum": torch.zeros_like(G), "lockstep": torch.tensor([-1, 0], dtype=torch.long)}
+        return {"global_ctx": G}
 
     def aggregate(self, env, shared, uploads, rng):
+        if self.lockstep:
+            return self._lockstep_aggregate(shared, uploads, rng)
         return {"global_ctx": weighted_mean(uploads, "global_ctx")}
+
+    def server_noise_std(self, clients: int) -> float:
+        """dp_mode=reference: std of the server's noise on the mean of `clients` clipped gradients (0 without DP)."""
+        if not self.dp.enabled:
+            return 0.0
+        return server_noise_std(self.train.rounds, self.dp.epsilon, self.dp.delta, self.opts.norm_thresh,
+                                self.train.batch_size, clients)
+
+    def _lockstep_aggregate(self, shared, uploads, rng):
+        """One lock-step on the server: the plain mean of the K clipped gradients (the code divides by K),
+        plus N(0, server_noise_std(K)^2), then an SGD step of G. The round's stream is the same at each of
+        its steps, so the step counter in `lockstep` (round tag, step) forks it."""
+        tag = _round_tag(rng)
+        G = shared["global_ctx"].float()
+        new_round = int(shared["lockstep"][0]) != tag
+        step = 0 if new_round else int(shared["lockstep"][1])
+        grad = sum(u.tensors["global_grad"].float() for u in uploads) / len(uploads)
+        std = self.server_noise_std(len(uploads))
+        if std > 0:
+            grad = grad + torch.randn(grad.shape, generator=generator(tag, "server-noise", step)) * std
+        G, buf = sgd_step(G, grad, None if new_round else shared["momentum"].float(), self.train)
+        return {"global_ctx": G, "momentum": buf, "lockstep": torch.tensor([tag, step + 1], dtype=torch.long)}
 
     # -- client half -------------------------------------------------------------------------
     def init_private(self, env, data: ClientData, rng):
@@ -102,6 +155,8 @@ class DPFPL(ClipPromptMethod):
         return G + U @ V + S
 
     def local_train(self, env, shared, private, data: ClientData, *, rng, privacy) -> LocalResult:
+        if self.lockstep:
+            return self._lockstep_train(env, shared, private, data, rng=rng, privacy=privacy)
         G = shared["global_ctx"].clone().to(env.device).requires_grad_(True)
         U, V, S = (private[k].clone().to(env.device).requires_grad_(True) for k in ("U", "V", "residual"))
         opt = sgd([G, U, V, S], self.train)
@@ -128,6 +183,47 @@ class DPFPL(ClipPromptMethod):
             metrics={"loss": sum(losses) / max(1, len(losses))},
         )
 
+    def _lockstep_train(self, env, shared, private, data: ClientData, *, rng, privacy) -> LocalResult:
+        """One lock-step of client k (dp_mode=reference): one batch of its current epoch, the clipped
+        gradient of G uploaded, U, V (clipped and noised, under DP) and S stepped locally. Its epoch's batch
+        order, step counter and optimiser state live in private["lockstep"], reset at each new round."""
+        tag = _round_tag(rng)
+        st: dict[str, Any] = private.get("lockstep") or {}
+        if st.get("tag") != tag:  # a new round: fresh optimiser state (SPEC 1.7 [decide]), a fresh epoch
+            st = {"tag": tag, "step": 0, "order": [], "momentum": [None, None, None]}
+        step_rng = generator(tag, "client-step", st["step"])
+        if not st["order"]:  # the epoch's batches (fixed-size, shuffled: the code's loaders)
+            st["order"] = list(privacy.batches(data.num_train, self.train.batch_size, step_rng))
+        idx = st["order"].pop(0)
+        G = shared["global_ctx"].clone().to(env.device).requires_grad_(True)
+        U, V, S = (private[k].clone().to(env.device).requires_grad_(True) for k in ("U", "V", "residual"))
+        x, y = data.x_train[idx].to(env.device), data.y_train[idx].to(env.device)
+        text = env.prompts.text_features(self.prompt(G, U, V, S))
+        loss = F.cross_entropy(self.logits(env, x, text), y, reduction="none")
+        privacy.backward(loss, dp_params={"global_grad": G}, other_params=[U, V, S])
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in (U, V, S)]
+        if privacy.enabled:  # the code clips and noises the local U and V gradients too (the residual: plain)
+            std = local_noise_std(self.train.rounds, self.dp.epsilon, self.dp.delta, self.opts.norm_thresh, self.train.batch_size)
+            for j in (0, 1):
+                g = grads[j] * min(1.0, self.opts.norm_thresh / max(float(grads[j].norm()), 1e-12))
+                grads[j] = g + torch.randn(g.shape, generator=step_rng).to(g.device) * std
+        new, bufs = [], []
+        for p, g, buf in zip((U, V, S), grads, st["momentum"]):
+            p2, b2 = sgd_step(p.detach(), g.detach(), buf, self.train)
+            new.append(p2)
+            bufs.append(b2)
+        st["momentum"] = bufs
+        if not st["order"]:  # the epoch's last batch: re-factorise U V + S afresh
+            new = list(factorize(new[0] @ new[1] + new[2], self.rank(env), step_rng))
+        st["step"] += 1
+        upload = G.grad if G.grad is not None else torch.zeros_like(G)
+        return LocalResult(
+            upload={"global_grad": upload.detach().cpu()},
+            private={"U": new[0].cpu(), "V": new[1].cpu(), "residual": new[2].cpu(), "lockstep": st},
+            num_samples=data.num_train,
+            metrics={"loss": float(loss.mean().item()) if len(idx) else math.nan},
+        )
+
     def _local(self, env, private) -> Tensor:
         return (private["U"].to(env.device) @ private["V"].to(env.device) + private["residual"].to(env.device)).detach()
 
@@ -141,3 +237,17 @@ class DPFPL(ClipPromptMethod):
         return PromptLossParts("global_ctx", lambda G: env.prompts.text_features(G + local),
                                lambda G, T, feats: self.logits(env, feats, T), lambda G: G.sum() * 0,
                                separable=True, text_state=(local,))
+
+
+def _round_tag(rng: torch.Generator) -> int:
+    """A number drawn from the (round, client) or (round) stream: the same at every lock-step of a round,
+    different between rounds, so it marks a new round and seeds the per-step streams."""
+    return int(torch.randint(0, 2**62, (1,), generator=rng))
+
+
+def sgd_step(p: Tensor, g: Tensor, buf: Any, train) -> tuple[Tensor, Tensor]:
+    """One step of torch.optim.SGD (momentum, weight decay, no dampening or Nesterov) on p with gradient g
+    and momentum buffer `buf` (None: the first step, the buffer starts at the step's gradient)."""
+    d = g + train.weight_decay * p
+    buf = d.clone() if buf is None or train.momentum == 0 else train.momentum * buf.to(d.device) + d
+    return (p - train.lr * buf).detach(), buf.detach()

@@ -49,7 +49,9 @@ class FedSEPTOptions:
     experts: int = 4  # M
     rank: int = 16  # r
     lambda_div: float = 10.0
-    div_reduction: str = "sum"  # sum (paper Eq. 6, Frobenius) | mean (official code)
+    # auto: sum without DP, mean under DP (docs/papers/fedsept.md "L_div under DP") | sum (paper Eq. 6,
+    # Frobenius) | mean (official code)
+    div_reduction: str = "auto"
     lambda_gate: float = 10.0  # 0 reproduces the official code (no L_gate)
     router: str = "pooled"  # pooled (official code: u is inert) | patch (attends over the image tokens)
     router_heads: int = 4
@@ -71,7 +73,8 @@ class FedSEPTOptions:
         check(self.rank >= 1, f"fedsept.rank must be >= 1, got {self.rank}")
         check(self.lambda_div >= 0, f"fedsept.lambda_div must be >= 0, got {self.lambda_div}")
         check(self.lambda_gate >= 0, f"fedsept.lambda_gate must be >= 0 (0 = the official code), got {self.lambda_gate}")
-        check(self.div_reduction in ("sum", "mean"), f"fedsept.div_reduction must be sum or mean, got {self.div_reduction!r}")
+        check(self.div_reduction in ("auto", "sum", "mean"),
+              f"fedsept.div_reduction must be auto, sum or mean, got {self.div_reduction!r}")
         check(self.router in ("pooled", "patch"), f"fedsept.router must be pooled or patch, got {self.router!r}")
         check(self.router_heads >= 1, f"fedsept.router_heads must be >= 1, got {self.router_heads}")
         check(0 <= self.router_dropout < 1, f"fedsept.router_dropout must be in [0, 1), got {self.router_dropout}")
@@ -92,6 +95,14 @@ class FedSEPT(ClipPromptMethod):
     client_metrics = ("loss", "ce", "div", "gate")
 
     # -- the variant as structure ----------------------------------------------------------
+    @property
+    def div_reduction(self) -> str:
+        """L_div's reduction in use: auto = the paper's sum without DP, the official code's mean under DP,
+        where the sum's data-independent gradient (inside every clipped per-example loss) drowns the data."""
+        if self.opts.div_reduction != "auto":
+            return self.opts.div_reduction
+        return "mean" if self.dp.enabled else "sum"
+
     @property
     def M(self) -> int:
         return 1 if self.opts.variant == "single" else self.opts.experts
@@ -203,7 +214,7 @@ class FedSEPT(ClipPromptMethod):
                 for idx in privacy.batches(data.num_train, self.train.batch_size, rng):
                     logits, pi = self.forward(env, A, R, router, x[idx], tokens=None if tok is None else tok[idx])
                     ce = F.cross_entropy(logits, y[idx], reduction="none")
-                    div = o.lambda_div * diversity_loss(A, self.M, o.div_reduction)
+                    div = o.lambda_div * diversity_loss(A, self.M, self.div_reduction)
                     if o.div_outside_dp:
                         loss, public = ce, div  # added after clipping and noise: it is a function of A only
                     else:
@@ -261,7 +272,7 @@ class FedSEPT(ClipPromptMethod):
             "A",
             lambda A: env.prompts.text_features(expert_prompts(A, self.M, self.basis(env), R)),
             lambda A, T, feats: self.forward(env, A, R, router, feats, T)[0],
-            lambda A: o.lambda_div * diversity_loss(A, self.M, o.div_reduction),
+            lambda A: o.lambda_div * diversity_loss(A, self.M, self.div_reduction),
             separable=o.fusion == "logit",  # FedSEPT-PF fuses prompts per image: no image-free text features
             text_state=() if R is None else (R,),
         )

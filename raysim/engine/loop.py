@@ -130,7 +130,7 @@ def run(cfg: RunConfig, *, on_round: Optional[Callable[[dict[str, Any]], None]] 
 def _run(cfg: RunConfig, out_dir: Path, done: int, on_round: Optional[Callable[[dict[str, Any]], None]]) -> RunResult:
     fresh = not any(p.name != LOCK_NAME for p in out_dir.iterdir())  # a new run: nothing but our lock yet
     try:
-        method, backend, logger, hparams = _start(cfg, out_dir, done)
+        method, backend, logger, hparams, substeps = _start(cfg, out_dir, done)
     except BaseException:
         if fresh:  # a failed start writes nothing: what it wrote (config.yaml, tensorboard/, ...) goes again
             _remove_all_but_lock(out_dir)
@@ -143,7 +143,7 @@ def _run(cfg: RunConfig, out_dir: Path, done: int, on_round: Optional[Callable[[
     bar = _progress_bar(cfg, done)
     try:
         for r in range(done + 1, cfg.train.rounds):
-            row, client_rows = _one_round(cfg, backend, r, evaluate=r in evals, extra=extra)
+            row, client_rows = _one_round(cfg, backend, r, evaluate=r in evals, extra=extra, substeps=substeps)
             logger.log_round(row, client_rows)
             store.mark_complete(r)
             rows.append(row)
@@ -172,8 +172,9 @@ def _remove_all_but_lock(out_dir: Path) -> None:
             p.unlink(missing_ok=True)
 
 
-def _start(cfg: RunConfig, out_dir: Path, done: int) -> tuple[Any, Any, RunLogger, dict[str, Any]]:
-    """The method, the data (which fails before anything is written), config.yaml, the logger and the backend."""
+def _start(cfg: RunConfig, out_dir: Path, done: int) -> tuple[Any, Any, RunLogger, dict[str, Any], int]:
+    """The method, the data (which fails before anything is written), config.yaml, the logger, the backend,
+    and the lock-step count of a round (Method.lockstep_steps; 0 = an ordinary round)."""
     from raysim.config.checks import make_method
     from raysim.engine.backends import BACKENDS
 
@@ -194,7 +195,36 @@ def _start(cfg: RunConfig, out_dir: Path, done: int) -> tuple[Any, Any, RunLogge
     devices = " ".join(backend.info.get("devices", ["cpu"]))
     if cfg.execution.client_gpus > 0 and cfg.execution.backend != "ray" and "cuda" not in devices:  # ray says it itself
         log.warning("execution.client_gpus=%s but no GPU is visible: running on CPU", cfg.execution.client_gpus)
-    return method, backend, logger, hparams
+    substeps = int(method.lockstep_steps([len(i) for i in data.train_idx]))
+    return method, backend, logger, hparams, substeps
+
+
+def lockstep_round(backend: Any, r: int, part: list[int], substeps: int) -> tuple[list[Any], dict[str, Any]]:
+    """A lock-step round (Method.lockstep_steps = `substeps` > 0): `substeps` calls of the backend's
+    train_round on the same participants, each aggregated and broadcast before the next. One report per
+    client: its mean loss over the steps, its bytes summed, its epsilon and metrics after the last step;
+    a client dropped at any step is dropped (the policy already checked each step)."""
+    import dataclasses
+
+    per_client: dict[int, list[Any]] = {}
+    bytes_up = bytes_down = 0
+    server: dict[str, float] = {}
+    for _ in range(substeps):
+        reports, stats = backend.train_round(r, part)
+        for x in reports:
+            per_client.setdefault(x.client_id, []).append(x)
+        bytes_up += int(stats["bytes_up"])
+        bytes_down += int(stats["bytes_down"])
+        server = dict(stats.get("server_metrics", {}))
+    merged = []
+    for cid in sorted(per_client):
+        reps = per_client[cid]
+        losses = [x.loss for x in reps if math.isfinite(x.loss)]
+        last, dropped = reps[-1], [x for x in reps if x.dropped]
+        merged.append(dataclasses.replace(last, loss=float(np.mean(losses)) if losses else math.nan,
+                                          bytes_up=sum(x.bytes_up for x in reps), dropped=bool(dropped),
+                                          error=dropped[0].error if dropped else ""))
+    return merged, {"bytes_up": bytes_up, "bytes_down": bytes_down, "server_metrics": server}
 
 
 def _progress_bar(cfg: RunConfig, done: int) -> Any:
@@ -206,12 +236,15 @@ def _progress_bar(cfg: RunConfig, done: int) -> Any:
 
 
 def _one_round(
-    cfg: RunConfig, backend: Any, r: int, *, evaluate: bool, extra: tuple[str, ...]
+    cfg: RunConfig, backend: Any, r: int, *, evaluate: bool, extra: tuple[str, ...], substeps: int = 0
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Train, aggregate, (evaluate,) commit round r; its results.csv row and client_results.csv rows."""
     t0 = time.perf_counter()
     part = participants(cfg.train.seed, r, cfg.train.num_clients, cfg.train.participation)
-    reports, stats = backend.train_round(r, part)  # raises ClientFailure per on_client_error / min_clients
+    if substeps > 0:  # a lock-step round: the participants step together, the server aggregating each step
+        reports, stats = lockstep_round(backend, r, part, substeps)
+    else:
+        reports, stats = backend.train_round(r, part)  # raises ClientFailure per on_client_error / min_clients
     dropped = [x for x in reports if x.dropped]
     for x in dropped:
         log.warning("round %d: client %d dropped (on_client_error=drop): %s", r, x.client_id, x.error)

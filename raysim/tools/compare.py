@@ -273,9 +273,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         spec, args = spec_from_args(list(sys.argv[1:] if argv is None else argv))
         out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
         if args.dry_run:
-            runs = plan(spec, out)
+            from raysim.tools.estimate import estimate
+
+            runs = plan(spec, out)  # configs only: no data, no weights are loaded
+            total = 0.0
             for cell, entry, folder, cfg in runs:
-                print(f"{entry.label}{f' [{cell_label(cell)}]' if cell else ''}: {cfg.method}, {cfg.train.rounds} rounds -> {folder}")
+                hours = estimate(cfg)["gpu_hours"]
+                total += hours
+                print(f"{entry.label}{f' [{cell_label(cell)}]' if cell else ''}: {cfg.method}, {cfg.train.rounds} rounds, "
+                      f"~{hours:.3g} GPU-hours -> {folder}")
+            print(f"estimated GPU-hours: {total:.3g} (FLOP-based, raysim/tools/estimate.py)")
             print(f"{len(runs)} runs, layout {spec.layout}", file=sys.stderr)
             return 0
         records = execute(spec, out, log=lambda s: print(s, file=sys.stderr, flush=True))

@@ -48,7 +48,7 @@ def setup(method, env, seed=0):
 def per_sample_loss(method, env, A, R, router, x, y):
     logits, _ = method.forward(env, A, R, router, x)
     return F.cross_entropy(logits, y, reduction="none") + method.opts.lambda_div * diversity_loss(
-        A, method.M, method.opts.div_reduction
+        A, method.M, method.div_reduction
     )
 
 
