@@ -128,3 +128,43 @@ def test_a_resumed_concurrent_table_equals_the_sequential_one(ray_session, seque
     assert err.count("done earlier") == 2 and err.count("resuming") == 2 and "2 runs on the Ray cluster" in err
     got_table, got_results = table_and_results(out)
     assert got_results == results and got_table == table
+
+
+def test_each_run_reserves_what_it_needs_and_the_progress_line_reads_its_round(tmp_path):
+    """An inline run: execution.num_threads CPUs in one bundle; a Ray-backend run: a placement group of a
+    small bundle for its task, the server's (when it reserves anything) and one per client actor. The one
+    progress line names each running run's latest round from its results.csv."""
+    from raysim.config.checks import build_config
+    from raysim.tools.compare_ray import Progress, run_bundles, runs_that_fit
+
+    inline = build_config({"execution": {"backend": "inline", "num_threads": 2}})
+    assert run_bundles(inline, {"CPU": 8.0}) == [{"CPU": 2.0}]
+    ray_run = build_config({"train": {"num_clients": 4},
+                            "execution": {"backend": "ray", "num_actors": 2, "client_cpus": 0.5, "server_cpus": 1}})
+    assert run_bundles(ray_run, {"CPU": 8.0}) == [{"CPU": 0.01}, {"CPU": 1.0}, {"CPU": 0.5}, {"CPU": 0.5}]
+    assert runs_that_fit(run_bundles(inline, {"CPU": 5.0}), {"CPU": 5.0}) == 2
+    assert runs_that_fit(run_bundles(ray_run, {"CPU": 2.0}), {"CPU": 2.0}) == 0
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.csv").write_text("round,hm\n0,0.5\n1,0.6\n")
+    cfg = build_config({"train": {"rounds": 5}, "output": {"out_dir": str(run)}})
+    lines: list[str] = []
+    p = Progress(3, {0: "promptfl seed 1"}, lines.append, tty=False)
+    assert p.line(1, {0: cfg}, 1) == "compare: 1/3 done, 1 running (promptfl seed 1 r2/5), 1 queued"
+    p.show(1, {0: cfg}, 1)
+    assert lines == []  # not a terminal: only the start / finish log lines, no redrawn line
+
+
+def test_a_ray_backend_run_places_its_actors_in_its_placement_group(ray_session, tmp_path):
+    """A Ray-backend run of a concurrent table reserves a placement group (as a sweep trial) and its client
+    actors are created inside it; the table is the one of the same run made in this process."""
+    from test_tune import client_actor_groups
+
+    args = ["--methods", "promptfl", "--rounds", "1", *[a for a in TINY if not a.startswith("execution.backend")],
+            "execution.backend=ray", "execution.num_actors=1", "execution.client_cpus=0.5"]
+    before = len(client_actor_groups())
+    assert main([*args, "--out", str(tmp_path / "ray"), "--max-concurrent", "2"]) == 0
+    placed = client_actor_groups()[before:]
+    assert len(placed) == 1 and placed[0], placed  # one client actor, inside a placement group
+    assert main([*args, "--out", str(tmp_path / "here"), "--max-concurrent", "1"]) == 0
+    assert table_and_results(tmp_path / "ray") == table_and_results(tmp_path / "here")
