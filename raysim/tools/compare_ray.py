@@ -62,14 +62,17 @@ def runs_that_fit(bundles: list[dict[str, float]], cluster: Mapping[str, float])
     return max(0, min(fits)) if fits else 1
 
 
-def one_run(cfg: Any, cwd: str) -> float:
-    """The Ray task: one run, in the driver's working directory (relative data / cache paths as there)."""
+def one_run(cfg: Any, cwd: str) -> tuple[float, str]:
+    """The Ray task: one run, in the driver's working directory (relative data / cache paths as there);
+    returns its wall time and the id of the node it ran on."""
+    import ray
+
     from raysim.engine.loop import run
 
     os.chdir(cwd)
     t0 = time.perf_counter()
     run(cfg)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, ray.get_runtime_context().get_node_id()
 
 
 def latest_round(folder: Path) -> int:
@@ -157,7 +160,7 @@ def run_concurrently(configs: Mapping[int, Any], names: Mapping[int, str], *, ma
             for ref in ready:
                 i, pg, cfg = running.pop(ref)
                 try:
-                    seconds[i] = ray.get(ref)
+                    seconds[i], node = ray.get(ref)
                 except ray.exceptions.RayTaskError as e:
                     if isinstance(e.cause, ConfigError):
                         raise ConfigError(f"{names[i]}: {e.cause}") from None
@@ -166,7 +169,7 @@ def run_concurrently(configs: Mapping[int, Any], names: Mapping[int, str], *, ma
                     if pg is not None:
                         remove_placement_group(pg)
                 progress.event(f"[{len(seconds)}/{len(order)} done] {names[i]}: {cfg.train.rounds} rounds in "
-                               f"{seconds[i]:.1f}s -> {cfg.output.out_dir}")
+                               f"{seconds[i]:.1f}s on node {node[:12]} -> {cfg.output.out_dir}")
             progress.show(len(seconds), {i: cfg for i, _, cfg in running.values()}, len(queue))
     finally:
         for ref, (_, pg, _) in running.items():  # an error or Ctrl-C: the others stop, their folders resume later
