@@ -16,9 +16,14 @@ product); the remaining `key=value` arguments apply to every run. A spec file (Y
     grid: {data.beta: [0.1, 0.5]}
     setting: {data: {dataset: synthetic-large}, train: {num_clients: 10}}
 
-Runs go one after another into OUT/<cell>/<entry>/ (their usual run folders). The comparison is
-resumable: a finished run is read back, an interrupted one is resumed (`output.resume`), so running the
-same command again completes a table without redoing work. It writes OUT/table.md, table.csv and
+With `--seeds 1,2,3` (`seeds: [1, 2, 3]` in a spec) every (cell, entry) runs once per train.seed into
+OUT/<cell>/<entry>/seed-<s>/ and each cell shows the mean ± sample std over the seeds (one seed keeps
+OUT/<cell>/<entry>/). The runs go onto the Ray cluster the runs' execution.address names (init_ray's
+rules), as many at once as fit (`--max-concurrent N`; 1 runs them one after another in this process), each
+reserving what it needs: an inline run execution.num_threads CPUs, a Ray-backend run a placement group of
+its actors' bundles (as a sweep trial). Results are bitwise those of the runs made one by one. The
+comparison is resumable: a finished run is read back, an interrupted one is resumed (`output.resume`), so
+running the same command again completes a table without redoing work. It writes OUT/table.md, table.csv and
 table.png (plus the layout's own figures) and prints the Markdown.
 """
 
@@ -101,6 +106,9 @@ def spec_from_args(argv: Sequence[str]) -> tuple[CompareSpec, argparse.Namespace
     p.add_argument("--rounds", type=int, default=0, help="rounds of every run (default: the spec's or the config's)")
     p.add_argument("--out", default="", help="folder of the runs and tables (default runs/compare-<time>)")
     p.add_argument("--title", default="")
+    p.add_argument("--seeds", default="", help="comma-separated train.seed values: each run once per seed, cells mean ± std")
+    p.add_argument("--max-concurrent", type=int, default=0,
+                   help="runs at once on the Ray cluster (default: as many as it holds; 1: one after another in this process)")
     p.add_argument("--dry-run", action="store_true", help="validate every run's config and list the runs; run nothing, write nothing")
     p.add_argument("overrides", nargs="*", metavar="[SPEC.yaml] key=value",
                    help="a comparison spec (YAML), then config key=value applied to every run (dp.epsilon=1 data.dataset=digits)")
@@ -111,9 +119,11 @@ def spec_from_args(argv: Sequence[str]) -> tuple[CompareSpec, argparse.Namespace
     a.spec = specs[0] if specs else ""
     a.overrides = [w for w in a.overrides if "=" in w]
     raw: dict[str, Any] = load_yaml(a.spec) if a.spec else {}
-    unknown = set(raw) - {"title", "layout", "rounds", "methods", "grid", "setting"}
+    unknown = set(raw) - {"title", "layout", "rounds", "methods", "grid", "setting", "seeds"}
     if unknown:
-        raise ConfigError(f"{a.spec}: unknown keys {sorted(unknown)}; a spec has title, layout, rounds, methods, grid, setting")
+        raise ConfigError(f"{a.spec}: unknown keys {sorted(unknown)}; a spec has title, layout, rounds, methods, grid, setting, seeds")
+    if a.max_concurrent < 0:
+        raise ConfigError(f"--max-concurrent must be >= 1 (or left out: as many as the cluster holds), got {a.max_concurrent}")
     methods = [entry_from(m) for m in raw.get("methods", [])]
     if a.methods:
         methods = [parse_entry(m) for m in a.methods.split(",") if m.strip()]
@@ -140,16 +150,32 @@ def spec_from_args(argv: Sequence[str]) -> tuple[CompareSpec, argparse.Namespace
         )
     layout = a.layout or str(raw.get("layout", "in_cross"))
     LAYOUTS.get(layout)  # unknown layout: a ConfigError naming the known ones
-    spec = CompareSpec(methods=methods, grid=grid, setting=setting, layout=layout,
+    seeds = parse_seeds(a.seeds.split(",") if a.seeds else raw.get("seeds") or [])
+    if "train.seed" in grid and seeds:
+        raise ConfigError("compare: train.seed is both a --grid key and --seeds; seeds are replicates, pass them once as --seeds")
+    spec = CompareSpec(methods=methods, grid=grid, setting=setting, layout=layout, seeds=seeds,
                        rounds=int(a.rounds or raw.get("rounds", 0)), title=a.title or str(raw.get("title", "")))
     return spec, a
+
+
+def parse_seeds(items: Any) -> list[int]:
+    """--seeds 1,2,3 / `seeds: [1, 2, 3]`: distinct integers (train.seed of each replicate)."""
+    items = items if isinstance(items, (list, tuple)) else [items]
+    try:
+        seeds = [int(str(s).strip()) for s in items if str(s).strip()]
+    except ValueError:
+        raise ConfigError(f"seeds: write integers (--seeds 1,2,3 or seeds: [1, 2, 3]), got {items!r}") from None
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"seeds: {seeds} repeats a seed")
+    return seeds
 
 
 def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text.replace(":", "-").replace("=", "_")).strip("_") or "default"
 
 
-def run_values(spec: CompareSpec, entry: Entry, cell: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+def run_values(spec: CompareSpec, entry: Entry, cell: dict[str, Any], out_dir: Path,
+               seed: Optional[int] = None) -> dict[str, Any]:
     from raysim.config import merge_config, unflatten
 
     values = merge_config(spec.setting, {"method": entry.method})
@@ -159,6 +185,8 @@ def run_values(spec: CompareSpec, entry: Entry, cell: dict[str, Any], out_dir: P
     extra: dict[str, Any] = {"output": {"out_dir": str(out_dir), "progress": False}}
     if spec.rounds:
         extra["train"] = {"rounds": spec.rounds}
+    if seed is not None:
+        extra.setdefault("train", {})["seed"] = seed
     return merge_config(values, extra)
 
 
@@ -182,15 +210,19 @@ def earlier_run(folder: Path, cfg: Any) -> str:
 
 def plan(spec: CompareSpec, out: Path) -> list[tuple[dict[str, Any], Entry, Path, Any]]:
     """(cell, entry, run folder, validated config) of every run, in order: a typo in the last entry
-    fails before the first run starts."""
+    fails before the first run starts. With several seeds each (cell, entry) has a run per seed in
+    <entry>/seed-<s>/; one seed (or none) keeps the single-run folder <entry>/."""
     from raysim.config.checks import build_config
 
     cells = spec.cells()
-    todo = [(cell, entry) for cell in cells for entry in spec.methods]
+    seeds: list[Optional[int]] = list(spec.seeds) or [None]
+    todo = [(cell, entry, seed) for cell in cells for entry in spec.methods for seed in seeds]
     configs: list[tuple[dict[str, Any], Entry, Path, Any]] = []
-    for cell, entry in todo:
+    for cell, entry, seed in todo:
         folder = out / (slug(cell_label(cell)) if cell else "") / slug(entry.label)
-        values = run_values(spec, entry, cell, folder)
+        if len(seeds) > 1:
+            folder = folder / f"seed-{seed}"
+        values = run_values(spec, entry, cell, folder, seed)
         try:
             configs.append((cell, entry, folder, build_config(values)))
         except ConfigError as e:
@@ -199,30 +231,52 @@ def plan(spec: CompareSpec, out: Path) -> list[tuple[dict[str, Any], Entry, Path
     return configs
 
 
-def execute(spec: CompareSpec, out: Path, *, log: Callable[[str], None]) -> list[RunRecord]:
-    """Run every (cell, entry) not finished yet in out/, in order; resume interrupted ones."""
-    from raysim.engine.loop import run
-
+def execute(spec: CompareSpec, out: Path, *, log: Callable[[str], None], max_concurrent: int = 1) -> list[RunRecord]:
+    """Run every (cell, entry, seed) not finished yet in out/; resume interrupted ones. Every folder is
+    checked (finished / partial / other settings: refused) before the first run starts. max_concurrent 1:
+    one after another in this process; otherwise as Ray tasks on the cluster (0: as many as it holds),
+    raysim/tools/compare_ray.py."""
     configs = plan(spec, out)
-    records = []
+    states = [earlier_run(folder, cfg) for _, _, folder, cfg in configs]
+    records: list[Optional[RunRecord]] = [None] * len(configs)
+    todo = []
     t_all = time.perf_counter()
-    for i, (cell, entry, folder, cfg) in enumerate(configs, 1):
-        where = f" [{cell_label(cell)}]" if cell else ""
-        state = earlier_run(folder, cfg)
+    for i, ((cell, entry, folder, cfg), state) in enumerate(zip(configs, states)):
+        name = run_name(entry, cell, cfg, spec)
         if state == "finished":
-            log(f"[{i}/{len(configs)}] {entry.label}{where}: done earlier, read from {folder}")
-            records.append(RunRecord(entry, cell, folder, 0.0))
+            log(f"[{i + 1}/{len(configs)}] {name}: done earlier, read from {folder}")
+            records[i] = RunRecord(entry, cell, folder, 0.0, seed=cfg.train.seed if spec.seeds else None)
             continue
         if state == "partial":
             cfg.output.resume = str(folder)
-            log(f"[{i}/{len(configs)}] {entry.label}{where}: resuming {folder}")
-        t0 = time.perf_counter()
-        run(cfg)
-        dt = time.perf_counter() - t0
-        log(f"[{i}/{len(configs)}] {entry.label}{where}: {cfg.train.rounds} rounds in {dt:.1f}s -> {folder}")
-        records.append(RunRecord(entry, cell, folder, dt))
+            log(f"[{i + 1}/{len(configs)}] {name}: resuming {folder}")
+        todo.append(i)
+    if todo and max_concurrent != 1:
+        from raysim.tools.compare_ray import run_concurrently
+
+        names = {i: run_name(configs[i][1], configs[i][0], configs[i][3], spec) for i in todo}
+        seconds = run_concurrently({i: configs[i][3] for i in todo}, names, max_concurrent=max_concurrent, log=log)
+    else:
+        from raysim.engine.loop import run
+
+        seconds = {}
+        for i in todo:
+            cell, entry, folder, cfg = configs[i]
+            t0 = time.perf_counter()
+            run(cfg)
+            seconds[i] = time.perf_counter() - t0
+            log(f"[{i + 1}/{len(configs)}] {run_name(entry, cell, cfg, spec)}: {cfg.train.rounds} rounds in {seconds[i]:.1f}s -> {folder}")
+    for i in todo:
+        cell, entry, folder, cfg = configs[i]
+        records[i] = RunRecord(entry, cell, folder, seconds[i], seed=cfg.train.seed if spec.seeds else None)
     log(f"compare: {len(configs)} runs in {time.perf_counter() - t_all:.0f}s")
-    return records
+    return [r for r in records if r is not None]
+
+
+def run_name(entry: Entry, cell: dict[str, Any], cfg: Any, spec: CompareSpec) -> str:
+    """How a run is named in the log: the entry, its cell, its seed when seeds are replicates."""
+    where = f" [{cell_label(cell)}]" if cell else ""
+    return f"{entry.label}{where}" + (f" seed {cfg.train.seed}" if len(spec.seeds) > 1 else "")
 
 
 def describe(records: list[RunRecord], spec: CompareSpec) -> str:
@@ -235,9 +289,14 @@ def describe(records: list[RunRecord], spec: CompareSpec) -> str:
     varied = [k for k in spec.grid]
     skew = f" beta={cfg.data.beta:g}" if cfg.data.partition in ("dirichlet", "pfllib", "dirichlet_shared_test") else ""
     parts = [cfg.data.dataset, cfg.data.partition + ("" if "data.beta" in varied else skew), f"{cfg.train.num_clients} clients",
-             f"{cfg.train.rounds} rounds", _model_name(cfg), f"seed {cfg.train.seed}"]
+             f"{cfg.train.rounds} rounds", _model_name(cfg), _seeds_text(configs)]
     parts += [] if "dp.epsilon" in varied else [eps]  # a grid over epsilon labels its own columns
     return ", ".join(parts) + (f" (varied: {', '.join(varied)})" if varied else "")
+
+
+def _seeds_text(configs: list[Any]) -> str:
+    seeds = sorted({c.train.seed for c in configs})
+    return f"seed {seeds[0]}" if len(seeds) == 1 else f"{len(seeds)} seeds ({', '.join(map(str, seeds))}; mean ± std)"
 
 
 def _model_name(cfg: Any) -> str:
@@ -280,12 +339,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for cell, entry, folder, cfg in runs:
                 hours = estimate(cfg)["gpu_hours"]
                 total += hours
-                print(f"{entry.label}{f' [{cell_label(cell)}]' if cell else ''}: {cfg.method}, {cfg.train.rounds} rounds, "
-                      f"~{hours:.3g} GPU-hours -> {folder}")
+                print(f"{run_name(entry, cell, cfg, spec)}: {cfg.method}, {cfg.train.rounds} rounds, ~{hours:.3g} GPU-hours -> {folder}")
             print(f"estimated GPU-hours: {total:.3g} (FLOP-based, raysim/tools/estimate.py)")
             print(f"{len(runs)} runs, layout {spec.layout}", file=sys.stderr)
             return 0
-        records = execute(spec, out, log=lambda s: print(s, file=sys.stderr, flush=True))
+        records = execute(spec, out, log=lambda s: print(s, file=sys.stderr, flush=True), max_concurrent=args.max_concurrent)
     except RaysimError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -35,6 +35,7 @@ class CompareSpec:
     layout: str = "in_cross"
     rounds: int = 0  # 0: the config's own
     title: str = ""
+    seeds: list[int] = field(default_factory=list)  # replicates (train.seed); [] = the config's own seed, once
 
     def cells(self) -> list[dict[str, Any]]:
         """The grid's product, in order: one column group each ([{}] without a grid)."""
@@ -54,6 +55,7 @@ class RunRecord:
     cell: dict[str, Any]
     out_dir: Path
     seconds: float  # wall time of this comparison's run (0 when read back from an earlier one)
+    seed: Optional[int] = None  # the replicate's train.seed (None: the config's own, a single-seed table)
 
     def rows(self, name: str) -> list[dict[str, str]]:
         with open(self.out_dir / name, newline="") as f:
@@ -79,6 +81,21 @@ class Table:
     higher_better: list[bool] = field(default_factory=list)
     groups: list[str] = field(default_factory=list)  # per row: pairing key for marks="pairs"
     notes: list[str] = field(default_factory=list)
+    stds: list[list[float]] = field(default_factory=list)  # per cell: sample std over seeds (nan: n < 2); [] = one seed
+    ns: list[list[int]] = field(default_factory=list)  # per cell: how many seeds the mean is over
+
+    @property
+    def replicated(self) -> bool:
+        """More than one seed behind some cell: cells show mean ± std and the csv has std / n columns."""
+        return any(n > 1 for row in self.ns for n in row)
+
+    def cell_text(self, r: int, c: int) -> str:
+        v = _pct(self.values[r][c])
+        if self.replicated and not math.isnan(self.values[r][c]):
+            sd = self.stds[r][c]
+            v += f" ± {100 * sd:.2f}" if not math.isnan(sd) else ""
+            v += f" (n={self.ns[r][c]})" if self.ns[r][c] != max(n for row in self.ns for n in row) else ""
+        return v
 
     def ranks(self) -> list[list[int]]:
         """rank[row][col]: 1 = best ... (0 = unmarked)."""
@@ -109,19 +126,33 @@ class Table:
 
         style = {1: "**{}**", 2: "<u>{}</u>", 3: "*{}*"}
         ranks = self.ranks()
-        cells = [[name, *(style.get(ranks[r][c], "{}").format(_pct(self.values[r][c])) for c in range(len(self.header)))]
+        cells = [[name, *(style.get(ranks[r][c], "{}").format(self.cell_text(r, c)) for c in range(len(self.header)))]
                  for r, name in enumerate(self.rows)]
         legend = {"rank2": "best in bold, second underlined", "rank3": "best in bold, second underlined, third in italics",
                   "pairs": "the better of each pair in bold"}[self.marks]
         text = markdown_table(["Method", *self.header], cells, title=title)
-        return text + "\n" + " ".join([f"Accuracies in %; {legend}.", *self.notes]) + "\n"
+        seeds = []
+        if self.replicated:
+            n = max(x for row in self.ns for x in row)
+            seeds = [f"Each cell: mean ± sample std (ddof 1) over {n} seeds (a cell over fewer says n=); marks use the means."]
+        return text + "\n" + " ".join([f"Accuracies in %; {legend}.", *seeds, *self.notes]) + "\n"
 
     def write_csv(self, path: Path) -> None:
+        """One column per header (the mean, in %); with several seeds each is followed by its std and n."""
+        def num(v: float) -> str:
+            return "" if math.isnan(v) else f"{100 * v:.4f}"
+
         with open(path, "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["method", *self.header])
-            for name, vals in zip(self.rows, self.values):
-                w.writerow([name, *("" if math.isnan(v) else f"{100 * v:.4f}" for v in vals)])
+            if not self.replicated:
+                w.writerow(["method", *self.header])
+                for name, vals in zip(self.rows, self.values):
+                    w.writerow([name, *(num(v) for v in vals)])
+                return
+            w.writerow(["method", *(f"{h} {part}".strip() for h in self.header for part in ("mean", "std", "n"))])
+            for r, name in enumerate(self.rows):
+                w.writerow([name, *(x for c, v in enumerate(self.values[r])
+                                    for x in (num(v), num(self.stds[r][c]), str(self.ns[r][c])))])
 
 
 def _pct(v: float) -> str:
@@ -153,12 +184,28 @@ LAYOUTS: Registry[type[Layout]] = Registry("comparison layout")
 
 def grid_table(records: list[RunRecord], spec: CompareSpec, metrics: list[str], score: Callable[[RunRecord], dict[str, float]],
                **kw: Any) -> Table:
-    """Rows = entries, columns = cell x metric, filled by score(record)[metric]."""
+    """Rows = entries, columns = cell x metric, filled by score(record)[metric]; with several seeds per
+    (entry, cell) each value is the mean over the seeds, with its sample std (ddof 1) and n beside it."""
     cells = spec.cells()
     header = [f"{cell_label(c)} {m}".strip() for c in cells for m in metrics]
-    by_key = {(r.entry.label, cell_label(r.cell)): score(r) for r in records}
-    values = [[by_key.get((e.label, cell_label(c)), {}).get(m, math.nan) for c in cells for m in metrics] for e in spec.methods]
-    return Table(header, [e.label for e in spec.methods], values, groups=[e.method for e in spec.methods], **kw)
+    by_key: dict[tuple[str, str], list[dict[str, float]]] = defaultdict(list)
+    for r in records:
+        by_key[(r.entry.label, cell_label(r.cell))].append(score(r))
+    stats = [[mean_std_n([s.get(m, math.nan) for s in by_key.get((e.label, cell_label(c)), [])]) for c in cells for m in metrics]
+             for e in spec.methods]
+    return Table(header, [e.label for e in spec.methods], [[x[0] for x in row] for row in stats],
+                 groups=[e.method for e in spec.methods], stds=[[x[1] for x in row] for row in stats],
+                 ns=[[x[2] for x in row] for row in stats], **kw)
+
+
+def mean_std_n(values: list[float]) -> tuple[float, float, int]:
+    """Mean, sample std (ddof 1; nan below 2 values) and count of the finite values."""
+    xs = [v for v in values if not math.isnan(v)]
+    if not xs:
+        return math.nan, math.nan, 0
+    mean = math.fsum(xs) / len(xs)
+    std = math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else math.nan
+    return mean, std, len(xs)
 
 
 @LAYOUTS.add
@@ -283,18 +330,21 @@ class VPDRLayout(Layout):
         from raysim.engine.evaluation import vpdr_table
 
         domains: list[str] = []
-        scores: dict[tuple[str, str], dict[str, float]] = {}
+        scores: dict[Path, dict[str, float]] = {}
         for r in records:
             t = vpdr_table(r.out_dir / "client_results.csv")  # the run's protocol numbers (STD ddof = 1)
             domains += [d for d in t if d not in ("AVG", "STD") and d not in domains]
-            scores[(r.entry.label, cell_label(r.cell))] = t
+            scores[r.out_dir] = t
         metrics = [*domains, "AVG", "STD"]
         shared = any((r.out_dir / "config.yaml").is_file() and r.config().data.partition == "dirichlet_shared_test"
                      for r in records)
         where = ("every client tests on the one shared test set (partition dirichlet_shared_test)" if shared
                  else "each client tests on its own split")
-        table = grid_table(records, spec, metrics, lambda r: scores[(r.entry.label, cell_label(r.cell))], marks="pairs",
+        table = grid_table(records, spec, metrics, lambda r: scores[r.out_dir], marks="pairs",
                            notes=[f"Last round; {where}; STD over clients (lower is better)."])
+        if table.replicated:  # the paper's STD is across clients (domains): kept per run, then averaged over seeds
+            table.notes.append("With several seeds: each domain and AVG is the mean over seeds, STD the mean over seeds of "
+                               "each run's STD over clients; the ± after every value is the spread across seeds.")
         table.higher_better = [not h.endswith("STD") for h in table.header]
         return table
 
@@ -313,7 +363,11 @@ def bar_chart(table: Table, columns: list[int], path: Path, title: str) -> Path:
     width = 0.8 / max(1, n_rows)
     for r, name in enumerate(table.rows):
         xs = [c + (r - (n_rows - 1) / 2) * width for c in range(len(columns))]
-        ax.bar(xs, [100 * table.values[r][c] if not math.isnan(table.values[r][c]) else 0 for c in columns], width, label=name)
+        err = None
+        if table.replicated:  # error bars: the sample std over seeds
+            err = [100 * table.stds[r][c] if not math.isnan(table.stds[r][c]) else 0 for c in columns]
+        ax.bar(xs, [100 * table.values[r][c] if not math.isnan(table.values[r][c]) else 0 for c in columns], width, label=name,
+               yerr=err, capsize=2 if err else 0)
     ax.set_xticks(range(len(columns)))
     ax.set_xticklabels([table.header[c] for c in columns], fontsize=8, rotation=15)
     ax.set_ylabel("accuracy (%)")

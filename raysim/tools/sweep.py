@@ -20,7 +20,9 @@ and one per client actor, so a trial starts only when all of its actors fit, and
 The run's out_dir is `<trial dir>/run` (results.csv, summary.md, tensorboard/ as for a plain run).
 
 Outputs in `<storage>/<name>/`: trials.csv and trials.md (one row per trial: swept values, final In /
-Cross / HM as in summary.md, epsilon spent, wall time) and hm_vs_<key>.png for every swept key.
+Cross / HM as in summary.md, epsilon spent, wall time, and a per-setting mean ± std when a setting has several
+trials) and hm_vs_<key>.png for every swept key but train.seed, a replicate axis: each plot draws the mean
+over the seeds with a ± std band (raysim/tools/sweep_report.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """A sweep's outputs in `<storage>/<name>/`: trials.csv and trials.md (one row per trial: swept values, final
-In / Cross / HM as in summary.md, epsilon spent, wall time) and hm_vs_<key>.png for every swept key
-(raysim/tools/sweep.py runs the sweep)."""
+In / Cross / HM as in summary.md, epsilon spent, wall time; then, when a setting has several trials, a
+summary per setting: mean ± sample std and n) and hm_vs_<key>.png for every swept key but the seed.
+
+`train.seed` in a sweep's space is a replicate axis: never an x axis; every plot draws, per setting, the
+mean HM over the seeds with a ± std band (raysim/tools/sweep.py runs the sweep)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,13 @@ from raysim.config import get_dotted, merge_config, unflatten
 
 if TYPE_CHECKING:
     import pandas
+
+REPLICATE_KEYS = ("train.seed",)  # swept keys that are replicates of one setting, not settings
+
+
+def setting_keys(spec: Mapping[str, Any]) -> list[str]:
+    """The swept keys that make a setting (every swept key but the seed)."""
+    return [k for k in spec["space"] if k not in REPLICATE_KEYS]
 
 def _yaml_value(v: Any) -> Any:
     """'inf' / '.inf' in a sweep file mean infinity, as in config files."""
@@ -97,17 +107,60 @@ def markdown_table(df, spec: Mapping[str, Any]) -> str:
 
 
 def plot_paths(exp_dir: Path, keys: Sequence[str]) -> dict[str, Path]:
-    return {k: exp_dir / f"hm_vs_{k.replace('.', '_')}.png" for k in keys}
+    return {k: exp_dir / f"hm_vs_{k.replace('.', '_')}.png" for k in keys if k not in REPLICATE_KEYS}
+
+
+def settings_table(df, spec: Mapping[str, Any]) -> "pandas.DataFrame":
+    """One row per setting (the swept keys but the seed): In / Cross / HM mean and sample std (ddof 1, nan
+    for one trial) over its trials, and n (trials with a result)."""
+    import pandas as pd
+
+    keys = setting_keys(spec)
+    groups = df.groupby(keys, dropna=False, sort=True) if keys else [((), df)]
+    rows = []
+    for gkey, g in groups:
+        gkey = gkey if isinstance(gkey, tuple) else (gkey,)
+        row: dict[str, Any] = dict(zip(keys, gkey))
+        for m in ("in_client", "cross_client", "hm"):
+            vals = g[m].astype(float).dropna()
+            row[f"{m}_mean"] = float(vals.mean()) if len(vals) else math.nan
+            row[f"{m}_std"] = float(vals.std(ddof=1)) if len(vals) > 1 else math.nan
+        row["n"] = int(g["hm"].astype(float).notna().sum())
+        rows.append(row)
+    return pd.DataFrame(rows, columns=[*keys, *(f"{m}_{s}" for m in ("in_client", "cross_client", "hm") for s in ("mean", "std")), "n"])
+
+
+def _pm(mean: float, std: float) -> str:
+    return _fmt_cell(mean, pct=True) + (f" ± {100 * std:.2f}" if not math.isnan(std) else "")
+
+
+def settings_markdown(df, spec: Mapping[str, Any]) -> str:
+    """The per-setting summary under trials.md's per-trial rows ("" when every setting has one trial)."""
+    s = settings_table(df, spec)
+    if not len(s) or int(s["n"].max()) < 2:
+        return ""
+    keys = setting_keys(spec)
+    heads = [*keys, "In-Client", "Cross-Client", "HM", "n"]
+    lines = ["", "#### Per setting (mean ± std over its trials)", "",
+             "| " + " | ".join(heads) + " |", "|" + "|".join("---:" for _ in heads) + "|"]
+    for _, r in s.iterrows():
+        cells = [_fmt_cell(r[k]) for k in keys] + [_pm(r[f"{m}_mean"], r[f"{m}_std"]) for m in ("in_client", "cross_client", "hm")]
+        lines.append("| " + " | ".join([*cells, str(int(r["n"]))]) + " |")
+    replicate = [k for k in spec["space"] if k in REPLICATE_KEYS]
+    over = f"the trials of each setting ({', '.join(replicate)} is a replicate axis)" if replicate else "the trials of each setting"
+    lines += ["", f"Mean and sample std (ddof 1) over {over}; n = trials with a result."]
+    return "\n".join(lines) + "\n"
 
 
 def write_plots(df, spec: Mapping[str, Any], exp_dir: Path) -> list[Path]:
-    """HM (%) against each swept key; one line per combination of the other swept keys."""
+    """HM (%) against each swept key but the seed; one line per combination of the other setting keys: the
+    mean over that setting's trials (its seeds), with a ± std band where it has several."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = list(spec["space"])
+    keys = setting_keys(spec)
     written = []
     for key, path in plot_paths(exp_dir, keys).items():
         others = [k for k in keys if k != key]
@@ -121,17 +174,22 @@ def write_plots(df, spec: Mapping[str, Any], exp_dir: Path) -> list[Path]:
         for gkey, g in groups:
             order = pos  # bound now: the key function runs inside this iteration only
             g = g.sort_values(by=key, key=lambda s, order=order: s.map(order.__getitem__) if categorical else s)
-            x = [pos[v] for v in g[key]] if categorical else g[key].astype(float)
+            stats = g.groupby(key, sort=False)["hm"].agg(["mean", "std", "count"])  # over the seeds of each x
+            x = [pos[v] for v in stats.index] if categorical else stats.index.astype(float)
             gkey = gkey if isinstance(gkey, tuple) else (gkey,)
             label = ", ".join(f"{k}={_fmt_cell(v)}" for k, v in zip(others, gkey)) or None
-            ax.plot(x, 100 * g["hm"].astype(float), marker="o", label=label)
+            line, = ax.plot(x, 100 * stats["mean"].astype(float), marker="o", label=label)
+            if (stats["count"] > 1).any():
+                sd = stats["std"].astype(float).fillna(0.0)
+                ax.fill_between(x, 100 * (stats["mean"] - sd), 100 * (stats["mean"] + sd), color=line.get_color(), alpha=0.2)
         if categorical:
             ax.set_xticks(range(len(uniq)), [_fmt_cell(float(v)) if numeric else str(v) for v in uniq])
         elif min(float(v) for v in uniq) > 0 and spec["space"][key].get("loguniform"):
             ax.set_xscale("log")
         ax.set_xlabel(key)
         ax.set_ylabel("HM (%)")
-        ax.set_title(f"{spec['name']}: HM vs {key}")
+        seeds = [k for k in spec["space"] if k in REPLICATE_KEYS]
+        ax.set_title(f"{spec['name']}: HM vs {key}" + (" (mean ± std over seeds)" if seeds else ""))
         ax.grid(alpha=0.3)
         if others and len(ax.get_lines()) <= 10:
             ax.legend(fontsize=7)
@@ -145,6 +203,6 @@ def write_plots(df, spec: Mapping[str, Any], exp_dir: Path) -> list[Path]:
 def write_outputs(df, spec: Mapping[str, Any], exp_dir: Path) -> None:
     exp_dir.mkdir(parents=True, exist_ok=True)
     df.to_csv(exp_dir / "trials.csv", index=False)
-    (exp_dir / "trials.md").write_text(markdown_table(df, spec))
+    (exp_dir / "trials.md").write_text(markdown_table(df, spec) + (settings_markdown(df, spec) if len(df) else ""))
     if len(df):
         write_plots(df, spec, exp_dir)

@@ -38,7 +38,8 @@ def test_compare_writes_the_table_resumes_and_refuses_changed_settings(tmp_path,
     from raysim.tools.compare import main
 
     out = tmp_path / "cmp"
-    args = ["--methods", "zeroshot,promptfl", "--grid", "train.lr=0.05,0.002", "--rounds", "1", "--out", str(out), *TINY]
+    args = ["--methods", "zeroshot,promptfl", "--grid", "train.lr=0.05,0.002", "--rounds", "1", "--out", str(out),
+            "--max-concurrent", "1", *TINY]  # one after another in this process (the concurrent path: test_compare_concurrent.py)
     assert main(args) == 0
     text = (out / "table.md").read_text()
     assert "lr=0.05 HM" in text and "lr=0.002 In-Client" in text and "**" in text

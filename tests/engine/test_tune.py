@@ -112,9 +112,11 @@ def test_smoke_sweep_2x2(ray_session, tmp_path, cache_dir):
     assert len(csv) == 4 and {"data.beta", "train.seed", "in_client", "cross_client", "hm", "epsilon_spent", "wall_s"} <= set(csv)
     md = (exp / "trials.md").read_text()
     assert md.count("| completed |") == 4 and "HM" in md
-    for key in ("data.beta", "train.seed"):
-        png = exp / f"hm_vs_{key.replace('.', '_')}.png"
-        assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    per_setting = [line for line in md.split("Per setting (mean ± std")[1].splitlines() if line.startswith("| 0.")]
+    assert len(per_setting) == 2 and all(line.endswith(" | 2 |") for line in per_setting)  # a row per beta, n = 2 seeds
+    png = exp / "hm_vs_data_beta.png"  # the seed is a replicate axis: no hm_vs_train_seed.png
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (exp / "hm_vs_train_seed.png").exists()
     # each trial's federation wrote the plain-run layout inside its trial folder, TensorBoard included
     for out_dir in df["out_dir"]:
         run = Path(out_dir)
@@ -160,3 +162,33 @@ def test_trial_grid_gives_each_corner_its_own_nested_value():
     corners = _trial_grid({"dp": {"delta": 1e-5}}, {"dp.epsilon": {"grid_search": [1.0, 2.0, 4.0]}})
     assert [c["dp"]["epsilon"] for c in corners] == [1.0, 2.0, 4.0]
     assert all(c["dp"]["delta"] == 1e-5 for c in corners)
+
+
+def test_seed_is_a_replicate_axis_in_the_sweep_report(tmp_path, monkeypatch):
+    """A swept train.seed is never an x axis: the plots draw the mean over the seeds with a ± std band,
+    and trials.md gets a per-setting mean ± std (n). Worked value: HM 50 / 70 % -> 60.00 ± 14.14."""
+    import pandas as pd
+    from matplotlib.axes import Axes
+
+    from raysim.tools.sweep_report import settings_table, write_outputs
+
+    rows = [{"trial": f"t{i}", "data.beta": b, "train.seed": s, "in_client": hm, "cross_client": hm, "hm": hm,
+             "epsilon_spent": math.inf, "rounds_done": 2, "wall_s": 1.0, "status": "completed", "out_dir": ""}
+            for i, (b, s, hm) in enumerate([(0.3, 1, 0.5), (0.3, 2, 0.7), (0.5, 1, 0.4), (0.5, 2, 0.4)])]
+    df = pd.DataFrame(rows)
+    spec = {"name": "s", "space": {"data.beta": {"grid": [0.3, 0.5]}, "train.seed": {"grid": [1, 2]}}}
+    s = settings_table(df, spec)
+    assert list(s["data.beta"]) == [0.3, 0.5] and list(s["n"]) == [2, 2]
+    assert s["hm_mean"].tolist() == pytest.approx([0.6, 0.4])
+    assert s["hm_std"].tolist() == pytest.approx([math.sqrt(0.02), 0.0])  # sample std (ddof 1) of 0.5, 0.7
+    bands, lines = [], []
+    real_fill, real_plot = Axes.fill_between, Axes.plot
+    monkeypatch.setattr(Axes, "fill_between",
+                        lambda self, x, lo, hi, **kw: bands.append((list(lo), list(hi))) or real_fill(self, x, lo, hi, **kw))
+    monkeypatch.setattr(Axes, "plot", lambda self, x, y, **kw: lines.append(list(y)) or real_plot(self, x, y, **kw))
+    write_outputs(df, spec, tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["hm_vs_data_beta.png"]
+    assert lines == [pytest.approx([60.0, 40.0])]  # one line: the means over the seeds
+    assert bands[0][0] == pytest.approx([60 - 100 * math.sqrt(0.02), 40.0])
+    md = (tmp_path / "trials.md").read_text()
+    assert "| 0.3 | 60.00 ± 14.14 | 60.00 ± 14.14 | 60.00 ± 14.14 | 2 |" in md
