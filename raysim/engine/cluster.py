@@ -92,6 +92,7 @@ def running_local_cluster() -> str:
 
 LOOPBACK = "127.0.0.1"  # where a cluster raysim starts itself listens (docs/security.md)
 LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray takes the node's address to be loopback
+USAGE_STATS_ENV = "RAY_USAGE_STATS_ENABLED"  # Ray reports cluster usage to its servers unless this is "0"
 
 
 @contextlib.contextmanager
@@ -99,7 +100,13 @@ def _loopback_node() -> Iterator[None]:
     """While a local cluster starts: Ray 2.60's ray.init turns a node address of 127.0.0.1 into the machine's
     reachable address unless it is told the cluster is single-machine (its switch for that is the environment
     variable LOCAL_ONLY_ENV, read into ray_constants.ENABLE_RAY_CLUSTER). Both are set for the start only; the
-    processes started meanwhile inherit the variable, so they too take loopback as the node's address."""
+    processes started meanwhile inherit the variable, so they too take loopback as the node's address.
+
+    Ray's usage-stats report (sent from the dashboard's head process, which Ray runs even with the dashboard
+    off) is turned off for the cluster too, unless the user set RAY_USAGE_STATS_ENABLED: nothing about a
+    private run leaves the machine by default."""
+    if USAGE_STATS_ENV not in os.environ:
+        os.environ[USAGE_STATS_ENV] = "0"  # inherited by the cluster's processes; kept for this driver's life
     try:
         from ray._private import ray_constants
     except Exception:  # private Ray API: without it Ray picks the address itself
