@@ -177,3 +177,46 @@ def test_the_igpp_mechanism_releases_cluster_centres_class_by_class():
     want = stack_centres(igpp_release(x, y, clip=2.0, sigma=0.5, generator=torch.Generator().manual_seed(2), assignments=ids))
     torch.testing.assert_close(got, want.float(), rtol=0, atol=1e-6)  # same computation twice: see above
     assert got.shape == (4, 5) and facts == {}
+
+
+def test_a_clients_privacy_state_survives_a_checkpoint_and_an_abandoned_round_is_undone():
+    # resume (load of to_dict) and on_client_error=drop (snapshot / restore) must keep the calibration, the ledger and
+    # the one-shot releases, or a resumed client would be recalibrated or spend its budget twice
+    from raysim.config import DPConfig
+    from raysim.methods import TrainConfig, get_method
+    from raysim.privacy.host import ClientPrivacyState, HostPrivacy
+
+    dp = DPConfig(epsilon=1.0, prototypes="igpp", proto_clip=5.0)
+    cls = get_method("fedproto")
+    method = cls(TrainConfig(batch_size=8, local_epochs=1, num_clients=2), cls.Options(), dp)
+    host = HostPrivacy(dp=dp, method=method, seed=3, batch_size=8, releases_per_client=lambda cid: 4)
+    feats, labels = torch.randn(20, 6, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1] * 10)
+
+    def one_round(r):
+        h = host.open(0, r, 20, {})
+        protos = h.release("protos", features=feats, labels=labels, num_classes=2)
+        h.close({"protos": protos, "counts": torch.tensor([10.0, 10.0])})
+
+    assert host.snapshot(0) is None  # nothing yet: restoring it forgets the client
+    one_round(0)
+    z, eps1 = host.multiplier(0, 20), host.epsilon(0)
+    assert eps1 > 0
+    snap = host.snapshot(0)
+    one_round(1)
+    assert host.epsilon(0) > eps1
+    host.restore(0, snap)
+    assert host.epsilon(0) == pytest.approx(eps1, rel=1e-12)  # the abandoned round's release is not on record
+    assert host.multiplier(0, 20) == z
+    one_round(1)
+    saved = host.snapshot(0)
+    fresh = HostPrivacy(dp=dp, method=method, seed=3, batch_size=8, releases_per_client=lambda cid: 4)
+    fresh.load(0, saved)
+    assert fresh.epsilon(0) == pytest.approx(host.epsilon(0), rel=1e-12) and fresh.multiplier(0, 20) == z
+    assert len(fresh.ledger(0).releases) == len(host.ledger(0).releases) == 2
+    host.restore(0, None)
+    assert host.snapshot(0) is None and host.epsilon(0) == 0.0
+    fresh.load(1, None)
+    assert fresh.epsilon(1) == 0.0
+    once = {"desc": torch.ones(3)}
+    back = ClientPrivacyState.from_dict(ClientPrivacyState(2.5, None, once).to_dict())
+    assert back.multiplier == 2.5 and back.ledger is None and torch.equal(back.once["desc"], torch.ones(3))
