@@ -114,7 +114,7 @@ class PrivacyLedger:
         rest = self.delta - pure_delta  # what is left of delta for the Gaussian compositions
         if not history:
             gauss = 0.0
-        elif rest <= 0:
+        elif rest <= self.delta * 1e-9:  # nothing left of delta (up to float rounding of the sum)
             return math.inf
         elif self.conversion == "classic":
             gauss = classic_rdp_epsilon(history, delta=rest)

@@ -154,3 +154,23 @@ def test_eq11_against_the_joint_calibration_at_the_papers_scale():
     for eps, ratio in ((1.0, 14.6), (8.0, 18.0)):
         joint = calibrate_multiplier(epsilon=eps, delta=DELTA, plan=[(1.0, 301)])
         assert 2 * C_CLIP * joint / eq11_sigma(eps) == pytest.approx(ratio, rel=0.02)  # the issue's rounding
+
+
+def test_paper_mode_run_says_what_its_epsilon_covers(tmp_path):
+    """A short run in paper mode: the printed epsilon is the embedding's alone (the dp client's, exact and
+    within dp.epsilon; the other clients spend nothing) and summary.md says it covers the descriptions only."""
+    import csv
+
+    from raysim.config.checks import build_config
+    from raysim.engine.loop import run
+
+    cfg = build_config({
+        "method": "fedtsp", "data": {"dataset": "digits", "shots": 8}, "model": {"name": "raysim-tiny", "pretrained": ""},
+        "train": {"num_clients": 3, "rounds": 2}, "execution": {"backend": "inline"},
+        "output": {"out_dir": str(tmp_path / "run"), "progress": False, "tensorboard": False, "cache_dir": str(tmp_path / "c")},
+        "dp": {"epsilon": 8.0}, "fedtsp": {"plm": "clip", "model_family": "tiny", "dp_budget": "paper"},
+    })
+    res = run(cfg)
+    eps = [float(r["epsilon_max"]) for r in csv.DictReader(open(res.out_dir / "results.csv"))]
+    assert eps[0] == eps[1] and 7.0 < eps[0] <= 8.0  # one release in round 0, nothing after (7.91 at delta 1e-5)
+    assert "description embedding only" in (res.out_dir / "summary.md").read_text()
