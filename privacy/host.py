@@ -167,7 +167,8 @@ class HostPrivacy:
             entries, pure, _ = self.plan(cid, num_train, names=[name], epsilon=eps)
             if pure:
                 raise ConfigError(f"{self.method.name}'s budget shares calibrate Gaussian releases; {name!r} has a pure-DP "
-                                  f"part ({self.mechanisms[name].name}: it spends dp.epsilon itself); use dp.prototypes=igpp")
+                                  f"part ({cast(Mechanism, self.mechanisms[name]).name}: it spends dp.epsilon itself); "
+                                  "use dp.prototypes=igpp")
             if share.calibration == "classic_gaussian":
                 if entries != [(1.0, 1)] or len(private) != 1:
                     raise ConfigError(f"{name!r}: the classical Gaussian calibration covers one release that is the "

@@ -30,7 +30,8 @@ TOL = 0.006  # the values' rounding (0.005) plus the bisection's 1e-4
 @pytest.mark.parametrize("T,eps,vpp,igpp", SPEC)
 def test_classic_calibration_gives_specs_worked_values(T, eps, vpp, igpp):
     # VPP: a pure-DP part of 0.1 epsilon (the Laplace top-k), the Gaussian part at 0.9 epsilon
-    assert calibrate_multiplier(epsilon=eps, delta=1e-5, plan=[(1.0, T)], pure=0.1 * eps, conversion="classic") == pytest.approx(vpp, abs=TOL)
+    got = calibrate_multiplier(epsilon=eps, delta=1e-5, plan=[(1.0, T)], pure=0.1 * eps, conversion="classic")
+    assert got == pytest.approx(vpp, abs=TOL)
     assert calibrate_multiplier(epsilon=eps, delta=1e-5, plan=[(1.0, T)], conversion="classic") == pytest.approx(igpp, abs=TOL)
     # the tight conversion needs less noise for the same (epsilon, delta): the issue's 20.00 / 18.12 at T=20
     assert calibrate_multiplier(epsilon=eps, delta=1e-5, plan=[(1.0, T)]) < 0.9 * igpp
