@@ -174,3 +174,21 @@ def test_paper_mode_run_says_what_its_epsilon_covers(tmp_path):
     eps = [float(r["epsilon_max"]) for r in csv.DictReader(open(res.out_dir / "results.csv"))]
     assert eps[0] == eps[1] and 7.0 < eps[0] <= 8.0  # one release in round 0, nothing after (7.91 at delta 1e-5)
     assert "description embedding only" in (res.out_dir / "summary.md").read_text()
+
+
+def test_table4_spec_runs_the_papers_mechanism_and_the_default(tmp_path):
+    from pathlib import Path
+
+    from raysim.config.checks import make_method
+    from raysim.tools.compare import plan, spec_from_args
+
+    s, _ = spec_from_args([str(Path(__file__).resolve().parents[2] / "benchmarks" / "tables" / "fedtsp_table4.yaml")])
+    seen: dict[str, set] = {}
+    for _cell, entry, _folder, cfg in plan(s, tmp_path):
+        opts = make_method(cfg).opts
+        seen.setdefault(entry.label, set()).add((cfg.dp.epsilon, opts.dp_budget if cfg.dp.enabled else None))
+        assert opts.dp_clip == 2.5 and cfg.dp.delta == 1e-5  # fedtsp.txt 4.6
+    eps = {1.0, 2.0, 4.0, 8.0}
+    rows = list(seen.values())
+    assert {(e, "paper") for e in eps} in rows and {(e, "split") for e in eps} in rows
+    assert {(math.inf, None)} in rows  # the no-DP row, in every column
