@@ -75,7 +75,8 @@ class Options(SharedOptions):
         if self.clip_grad < 0:
             raise ConfigError("fedkd.clip_grad must be >= 0 (0 = no clipping)")
         if self.compression not in ("none", "svd"):
-            raise ConfigError(f"fedkd.compression must be none (the FedTSP code: full weights) or svd (the paper), got {self.compression!r}")
+            raise ConfigError(f"fedkd.compression must be none (the FedTSP code: full weights) or svd (the paper), "
+                              f"not {self.compression!r}")
 
 
 # ------------------------------------------------------------------------------------ SVD compression
