@@ -242,13 +242,16 @@ def _validate_execution(x: ExecutionConfig, t: TrainConfig) -> None:
 
 
 def _validate_dp(dp: DPConfig) -> None:
-    from raysim.privacy.accountant import ACCOUNTANTS
+    from raysim.privacy.accountant import ACCOUNTANTS, CONVERSIONS
     from raysim.privacy.mechanisms import MECHANISMS
 
     _check(dp.epsilon > 0, f"dp.epsilon must be > 0 (inf turns DP off), got {dp.epsilon}")
     _check(0 < dp.delta < 1, f"dp.delta must be in (0, 1), got {dp.delta}")
     _check(dp.clip > 0, f"dp.clip must be > 0, got {dp.clip}")
     _check(dp.accountant in ACCOUNTANTS, f"dp.accountant must be one of {', '.join(ACCOUNTANTS)}, got {dp.accountant!r}")
+    _check(dp.conversion in CONVERSIONS, f"dp.conversion must be one of {', '.join(CONVERSIONS)}, got {dp.conversion!r}")
+    _check(dp.conversion == "tight" or dp.accountant == "rdp",
+           "dp.conversion=classic converts an RDP curve to epsilon; it needs dp.accountant=rdp")
     _check(dp.microbatch >= 0, f"dp.microbatch must be >= 1, or 0 = sized from the graph's memory, got {dp.microbatch}")
     _check(dp.calibration in ("participated", "all_rounds"), "dp.calibration must be participated or all_rounds")
     _check(dp.level in ("sample", "client"), f"dp.level must be sample or client, got {dp.level!r}")
