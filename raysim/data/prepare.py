@@ -48,7 +48,21 @@ def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationDat
         train_domains=bundle.train.domains,
         test_domains=bundle.test.domains,
     )
-    splits = partition(cfg.data.partition, pspec)
+    if cfg.data.partition == "stored":  # the clients a dataset folder stores (data.dataset=pfllib), as stored
+        from raysim.data.partition import few_shot
+        from raysim.data.pfllib_folder import stored_splits
+
+        if needs.input != "images":
+            raise ConfigError(
+                f"data.dataset={cfg.data.dataset} gives its images as stored ({bundle.meta.get('sample_shape')}, the "
+                f"folder's normalisation), so it suits methods that train their own image models (the zoo methods), not "
+                f"{cfg.method}, which encodes images with {cfg.model.name}"
+            )
+        splits = stored_splits(bundle)
+        if cfg.data.shots > 0:
+            splits = few_shot(splits, bundle.train.labels, cfg.data.shots, cfg.train.seed)
+    else:
+        splits = partition(cfg.data.partition, pspec)
     ttr = tte = None
     if needs.input == "features":
         tokens = needs.tokens
