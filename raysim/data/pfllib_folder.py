@@ -104,7 +104,8 @@ def read_folder(root: str | Path) -> PfllibFolder:
     cfg = read_config(root)
     K, C = int(cfg["num_clients"]), int(cfg["num_classes"])
     digests = [hashlib.sha256(read_regular(root / CONFIG, max_bytes=MAX_CONFIG_BYTES)).hexdigest()]
-    train, test = [], []
+    train: list[tuple[np.ndarray, np.ndarray]] = []
+    test: list[tuple[np.ndarray, np.ndarray]] = []
     for i in range(K):
         for split, out in (("train", train), ("test", test)):
             path = root / split / f"{i}.npz"
@@ -136,7 +137,8 @@ def write_folder(root: str | Path, train: Sequence[tuple[np.ndarray, np.ndarray]
     for i, ((xtr, ytr), (xte, yte)) in enumerate(zip(train, test)):
         for split, x, y in (("train", xtr, ytr), ("test", xte, yte)):
             with open(root / split / f"{i}.npz", "wb") as f:
-                np.savez_compressed(f, data={"x": np.ascontiguousarray(x), "y": np.asarray(y, dtype=np.int64)})
+                record = {"x": np.ascontiguousarray(x), "y": np.asarray(y, dtype=np.int64)}
+                np.savez_compressed(f, data=record)  # type: ignore[arg-type]  # a dict, pickled: PFLlib's layout
         labels, counts = np.unique(np.concatenate([ytr, yte]), return_counts=True)  # PFLlib counts before its split
         statistic.append([[int(c), int(n)] for c, n in zip(labels, counts)])
     cfg: dict[str, Any] = {
