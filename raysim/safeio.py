@@ -212,11 +212,16 @@ def read_npz_safely(path: str | Path, *, root: str | Path | None = None, max_byt
     The archive is read with `read_regular` (a regular file of at most `max_bytes`, default
     MAX_FILE_BYTES), and each member may hold at most that many bytes uncompressed, so neither a large
     file nor a zip bomb can exhaust memory. Anything malformed raises `error` naming the file."""
+    limit = MAX_FILE_BYTES if max_bytes is None else max_bytes
+    return parse_npz(read_regular(path, root=root, max_bytes=limit, error=error), what=str(path), max_bytes=limit, error=error)
+
+
+def parse_npz(raw: bytes, *, what: str, max_bytes: int | None = None, error: type[Exception] = DataError) -> dict[str, Any]:
+    """`read_npz_safely` on the bytes of an archive already read (with `read_regular`); `what` names it."""
     import zipfile
 
-    path = Path(path)
+    path = what
     limit = MAX_FILE_BYTES if max_bytes is None else max_bytes
-    raw = read_regular(path, root=root, max_bytes=limit, error=error)
     try:
         archive = zipfile.ZipFile(io.BytesIO(raw))
     except (zipfile.BadZipFile, ValueError, OSError) as e:

@@ -10,7 +10,7 @@ The layout (PFLlib dataset/utils/dataset_utils.py `save_file`, read by HtFLlib s
     PATH/test/<i>.npz      the same for client i's test split
 
 HtFLlib reads `np.load(f, allow_pickle=True)["data"].tolist()`, which runs any code a downloaded pickle
-holds; raysim reads the archives with `raysim.safeio.read_npz_safely` instead (numpy arrays, dicts, lists
+holds; raysim reads the archives with `raysim.safeio` (`read_regular`, then `parse_npz`: numpy arrays, dicts, lists
 and numbers only; anything else is refused naming the file).
 
 As a raysim dataset the folder's clients are laid end to end: the train set is client 0's train rows,
@@ -34,7 +34,7 @@ from torch.utils.data import Dataset
 from raysim.data.base import DatasetBundle, ImageSet, LoadSpec, register_dataset
 from raysim.data.partition import PARTITIONERS, ClientSplit, PartitionSpec
 from raysim.errors import ConfigError, DataError
-from raysim.safeio import read_npz_safely, read_regular
+from raysim.safeio import parse_npz, read_regular
 
 CONFIG = "config.json"
 MAX_CONFIG_BYTES = 64 << 20  # a config.json listing label counts of 100,000 clients stays far below this
@@ -77,11 +77,10 @@ def read_config(root: str | Path) -> dict[str, Any]:
     return cfg
 
 
-def _client_arrays(path: Path, root: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
-    """(x, y) of one client archive, checked: a dict with numeric x of N rows and integer labels y in [0, C)."""
-    if not path.is_file():
-        raise DataError(f"{path} is missing. Expected layout: {LAYOUT}.")
-    content = read_npz_safely(path, root=root)
+def _client_arrays(path: Path, raw: bytes, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) of one client archive (its bytes `raw`), checked: a dict with numeric x of N rows and integer
+    labels y in [0, C)."""
+    content = parse_npz(raw, what=str(path))
     data = content.get("data")
     if not isinstance(data, dict) or "x" not in data or "y" not in data:
         raise DataError(f"{path} must hold data={{'x': X, 'y': Y}} (PFLlib's save_file); it holds {sorted(content)}")
@@ -109,8 +108,11 @@ def read_folder(root: str | Path) -> PfllibFolder:
     for i in range(K):
         for split, out in (("train", train), ("test", test)):
             path = root / split / f"{i}.npz"
-            out.append(_client_arrays(path, root, C))
-            digests.append(hashlib.sha256(read_regular(path, root=root)).hexdigest())
+            if not path.is_file():
+                raise DataError(f"{path} is missing. Expected layout: {LAYOUT}.")
+            raw = read_regular(path, root=root)  # size-capped, a regular file inside the folder
+            out.append(_client_arrays(path, raw, C))
+            digests.append(hashlib.sha256(raw).hexdigest())
     shapes = {x.shape[1:] for x, _ in train + test}
     if len(shapes) != 1:
         raise DataError(f"{root}: the clients' x arrays differ in shape per sample ({sorted(shapes)}); one dataset has one")

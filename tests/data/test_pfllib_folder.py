@@ -176,3 +176,27 @@ def test_trains_end_to_end_on_a_one_channel_folder(tmp_path):
     assert got.num_clients == 20 and got.train[0][0].shape[1:] == (1, 28, 28) and got.config["alpha"] == 0.1
     curve = raysim_side(str(folder), "fedproto", family="FedAvgCNN-1x28", rounds=1, out_dir=tmp_path / "runs")
     assert len(curve) == 1 and 0.0 <= curve[0] <= 1.0
+
+
+def test_an_archive_that_unpacks_past_the_cap_is_refused(tmp_path):
+    """A zip bomb in miniature: 10 KB of zeros compresses to a few hundred bytes; under a 4 KB cap the member is
+    refused from its declared size, before it is unpacked."""
+    from raysim.safeio import read_npz_safely
+
+    path = tmp_path / "bomb.npz"
+    np.savez_compressed(path, data=np.zeros(10_000, np.uint8))
+    assert path.stat().st_size < 4096
+    with pytest.raises(DataError, match=r"bomb\.npz\[data\.npy\] unpacks to 10128 bytes, more than the 4096"):
+        read_npz_safely(path, max_bytes=4096)
+    assert read_npz_safely(path)["data"].shape == (10_000,)
+
+
+def test_a_clip_method_is_refused_on_a_stored_folder(tmp_path):
+    from raysim.config.checks import build_config, make_method
+    from raysim.data.prepare import prepare_data
+
+    root, _, _ = _folder(tmp_path)
+    cfg = build_config({"method": "promptfl", "data": {"dataset": "pfllib", "data_root": str(root)},
+                        "model": {"name": "raysim-tiny", "pretrained": ""}})
+    with pytest.raises(ConfigError, match=r"gives its images as stored \(\(1, 28, 28\)"):
+        prepare_data(cfg, make_method(cfg).needs(), progress=False)
