@@ -10,7 +10,9 @@ clients), with HtFLlib's main.py defaults (benchmarks/presets/htfllib.yaml: lr 0
 epoch, every client every round, d = 512, evaluated every round with eval.protocol=fedtsp, whose "local"
 is HtFLlib's metric: total correct over total test samples across clients). The other side runs when a
 checkout and a Python that runs it are given: the folder is linked into CHECKOUT/dataset/ and each algorithm
-is run by CHECKOUT/system/main.py with the same settings; its per-round "Averaged Test Accurancy" lines are
+is run by CHECKOUT/system/main.py with the same settings (PFLlib's side with "-m CNN", its FedAvgCNN, whose
+input PFLlib picks from the dataset's name: the link is named MNIST_... or Cifar10_... by the folder's
+sample shape); its per-round "Averaged Test Accurancy" lines are
 read back. Without a checkout the table says what is missing. Per algorithm the table gives the best
 round's accuracy of each side, the difference, and the (1-based) round that reached it; OUT/parity.png
 plots the two curves, OUT/parity.json holds them.
@@ -125,6 +127,12 @@ def library_side(lib: str, checkout: Path, python: str, folder: str, algorithm: 
                  num_clients: int, num_classes: int, timeout: float) -> list[float]:
     """The library's per-round test accuracy, each point after r rounds of training (r = 1 .. rounds)."""
     name = "raysim_" + Path(folder).resolve().name
+    if lib == "pfllib":  # PFLlib's "-m CNN" picks FedAvgCNN's input from the dataset's name
+        shape = _sample_shape(folder)
+        prefix = {(1, 28, 28): "MNIST_", (3, 32, 32): "Cifar10_"}.get(shape)
+        if prefix is None:
+            raise RuntimeError(f"PFLlib's CNN takes 1x28x28 (MNIST) or 3x32x32 (Cifar10) input, the folder holds {shape}")
+        name = prefix + name
     link = checkout / "dataset" / name
     if not link.exists():
         link.parent.mkdir(parents=True, exist_ok=True)
@@ -138,6 +146,13 @@ def library_side(lib: str, checkout: Path, python: str, folder: str, algorithm: 
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr[-2000:]}")
     accs = [float(m.group(1)) for m in ACC_LINE.finditer(proc.stdout)]
     return accs[1:]  # its first evaluation is before any training
+
+
+def _sample_shape(folder: str) -> tuple[int, ...]:
+    """The shape of one sample of the folder (client 0's first training row)."""
+    from raysim.data.pfllib_folder import read_folder
+
+    return tuple(int(n) for n in read_folder(folder).train[0][0].shape[1:])
 
 
 def _has_cuda() -> bool:

@@ -47,3 +47,22 @@ def test_library_side_runs_the_checkout_and_aligns_its_curve(tmp_path):
     curve = parity.library_side("htfllib", checkout, sys.executable, str(folder), "FedProto", family="HtFE-img-2",
                                 rounds=3, num_clients=2, num_classes=10, timeout=60)
     assert curve == [0.3, 0.6, 0.5]  # parsed from 4-digit text; the untrained first point dropped
+
+
+def test_pfllib_side_names_the_link_for_its_cnn(tmp_path):
+    """PFLlib's "-m CNN" picks FedAvgCNN's input from the dataset's name: a one-channel 28x28 folder is linked as MNIST_..."""
+    checkout = tmp_path / "PFLlib"
+    (checkout / "system").mkdir(parents=True)
+    (checkout / "system" / "main.py").write_text(
+        "import sys, os\n"
+        "a = sys.argv\n"
+        "name = a[a.index('-data') + 1]\n"
+        "assert name.startswith('MNIST_') and a[a.index('-m') + 1] == 'CNN', a\n"
+        "assert os.path.isfile(os.path.join('..', 'dataset', name, 'train', '0.npz'))\n"
+        "print('Averaged Test Accurancy: 0.1000')\n"
+        "print('Averaged Test Accurancy: 0.2000')\n"
+    )
+    folder = parity.make_mnist_like(tmp_path / "mnist_like")
+    curve = parity.library_side("pfllib", checkout, sys.executable, str(folder), "FedAvg", family="FedAvgCNN-1x28",
+                                rounds=1, num_clients=20, num_classes=10, timeout=60)
+    assert curve == [0.2]  # parsed from text, the untrained first point dropped
