@@ -200,3 +200,30 @@ def test_a_clip_method_is_refused_on_a_stored_folder(tmp_path):
                         "model": {"name": "raysim-tiny", "pretrained": ""}})
     with pytest.raises(ConfigError, match=r"gives its images as stored \(\(1, 28, 28\)"):
         prepare_data(cfg, make_method(cfg).needs(), progress=False)
+
+
+def test_a_family_that_cannot_take_the_stored_images_is_refused(tmp_path):
+    from raysim.config.checks import build_config, make_method
+    from raysim.data.prepare import prepare_data
+
+    root, _, _ = _folder(tmp_path)  # one channel at 28x28
+    for section in ({"model_family": "HtFE-img-2"}, {"model_family": "FedAvgCNN-1x28", "shared_model": "cnn_tiny"}):
+        cfg = build_config({"method": "fml", "data": {"dataset": "pfllib", "data_root": str(root)}, "fml": section})
+        with pytest.raises(ConfigError, match=r"images as stored, \(1, 28, 28\); fml's (fedavgcnn|cnn_tiny) takes \(3, 32, 32\)"):
+            prepare_data(cfg, make_method(cfg).needs(), progress=False)
+    cfg = build_config({"method": "fml", "data": {"dataset": "pfllib", "data_root": str(root)},
+                        "fml": {"model_family": "FedAvgCNN-1x28", "shared_model": "first"}})
+    assert prepare_data(cfg, make_method(cfg).needs(), progress=False).num_clients == 3
+
+
+def test_the_input_check_reads_the_family_before_the_single_model(tmp_path):
+    from raysim.config.checks import build_config, make_method
+    from raysim.data.prepare import prepare_data
+
+    root, _, _ = _folder(tmp_path)
+    ok = build_config({"method": "fedpcl", "data": {"dataset": "pfllib", "data_root": str(root)},
+                       "fedpcl": {"model_family": "FedAvgCNN-1x28"}})  # its `model` (fedavgcnn) is unused then
+    assert prepare_data(ok, make_method(ok).needs(), progress=False).num_clients == 3
+    bad = build_config({"method": "fedavg", "data": {"dataset": "pfllib", "data_root": str(root)}})
+    with pytest.raises(ConfigError, match="fedavg's fedavgcnn takes"):
+        prepare_data(bad, make_method(bad).needs(), progress=False)
