@@ -111,7 +111,9 @@ def check_stored_input(cfg: RunConfig, needs: Any, shape: tuple[int, ...]) -> No
     fedavgcnn_1x28, three channels for the others, and the FedAvgCNNs' own size (their flatten width is fixed)."""
     from raysim.models.zoo import family
 
-    opts = cfg.methods.get(cfg.method.lower())
+    opts: Any = cfg.methods.get(cfg.method.lower())
+    if opts is None:  # build_config always materialises the run's method section
+        return
     if getattr(opts, "model_family", ""):  # a family of client models (fedpcl's `model` is then unused)
         archs = list(family(opts.model_family))
     else:  # one model for every client (the homogeneous methods)
