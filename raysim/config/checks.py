@@ -17,6 +17,7 @@ import yaml
 from raysim.config.load import (
     RENAMED,
     _build_dataclass,
+    _coerce,
     deep_merge,
     expand_dotted_keys,
     load_config_file,
@@ -117,6 +118,8 @@ def _stored_clients(plain: dict[str, Any]) -> dict[str, Any]:
     """data.dataset=pfllib runs on the clients its folder stores: data.partition=stored and train.num_clients
     are taken from the folder's config.json (a conflicting value the user set is refused), data.shots is 0
     (every stored sample), and the config.json is recorded as data.folder_config."""
+    if not isinstance(plain.get("data") or {}, Mapping) or not isinstance(plain.get("train") or {}, Mapping):
+        return plain  # not sections: _build_dataclass says so
     data = dict(plain.get("data") or {})
     if str(data.get("dataset", "")).lower() != "pfllib":
         _check(not data.get("folder_config"), "data.folder_config is recorded from a data.dataset=pfllib folder; do not set it")
@@ -127,14 +130,14 @@ def _stored_clients(plain: dict[str, Any]) -> dict[str, Any]:
     folder = read_config(root)
     train = dict(plain.get("train") or {})
     K = int(folder["num_clients"])
-    if "num_clients" in train and int(train["num_clients"]) != K:
+    if "num_clients" in train and _coerce(train["num_clients"], int, "train.num_clients") != K:
         raise ConfigError(f"train.num_clients={train['num_clients']} conflicts with the {K} clients of the PFLlib folder "
                           f"{root} (its config.json): data.dataset=pfllib runs on the stored clients; drop train.num_clients "
                           f"or set it to {K}")
     if data.get("partition", "stored") != "stored":
         raise ConfigError(f"data.partition={data['partition']} would re-split the clients of the PFLlib folder {root}; "
                           "data.dataset=pfllib runs on its stored clients (data.partition=stored): drop data.partition")
-    if int(data.get("shots", 0) or 0) != 0:
+    if _coerce(data.get("shots", 0) or 0, int, "data.shots") != 0:
         raise ConfigError(f"data.shots={data['shots']} would drop samples of the stored clients of {root}; data.dataset=pfllib "
                           "keeps every stored sample: set data.shots=0 or drop it")
     if data.get("folder_config") not in (None, {}, folder):
