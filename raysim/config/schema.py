@@ -94,6 +94,8 @@ class DataConfig:
     # redraw the Dirichlet split until every client has this many samples; 0 = the partition's default:
     # dirichlet 10 train and 10 test samples, pfllib 40 samples in all (PFLlib's least_samples)
     min_samples: int = 0
+    # data.dataset=pfllib: the folder's config.json, recorded here when the config is built (not set by hand)
+    folder_config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
