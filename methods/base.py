@@ -33,7 +33,7 @@ from torch import Tensor
 
 from raysim.config.schema import DPConfig, TrainConfig
 from raysim.data.client import ClientData
-from raysim.privacy.mechanisms import ReleaseSpec
+from raysim.privacy.mechanisms import BudgetShare, ReleaseSpec
 from raysim.registry import Registry
 from raysim.sampling import generator
 
@@ -170,6 +170,11 @@ class Method:
     def releases_of(self, client_id: int) -> list[str]:
         """The declared uploads this client makes over the run (used to calibrate its noise)."""
         return list(self.releases)
+
+    def budget_shares(self) -> Optional[dict[str, BudgetShare]]:
+        """The method's own split of each client's dp.epsilon over its private releases (privacy/host.py):
+        None (the default) calibrates one multiplier jointly over every release of the client's run."""
+        return None
 
     # -- shared frozen parts, built once per host (client actor or server actor) --------------
     def build_env(self, spec: EnvSpec, *, role: str) -> Any:  # role: "client" | "server"

@@ -29,7 +29,7 @@ from raysim.sampling import generator
 from .accountant import calibrate_multiplier
 from .dpsgd import DPSGD, BatchClipSGD, NoDP
 from .ledger import PrivacyLedger, Release
-from .mechanisms import Mechanism, Training, resolve_all
+from .mechanisms import BudgetShare, Mechanism, Training, resolve_all
 
 
 @dataclass
@@ -39,17 +39,19 @@ class ClientPrivacyState:
     multiplier: Optional[float] = None  # calibrated once, at the first participation
     ledger: Optional[PrivacyLedger] = None
     once: dict[str, Tensor] = field(default_factory=dict)  # one-shot releases already made (re-sending is free)
+    # under a method's budget shares: each release's own multiplier, calibrated once
+    multipliers: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"multiplier": self.multiplier, "ledger": self.ledger.to_dict() if self.ledger else None,
-                "once": dict(self.once)}
+                "once": dict(self.once), "multipliers": dict(self.multipliers)}
 
     @classmethod
     def from_dict(cls, d: Optional[dict[str, Any]]) -> "ClientPrivacyState":
         if not d:
             return cls()
         ledger = PrivacyLedger.from_dict(d["ledger"]) if d.get("ledger") else None
-        return cls(d.get("multiplier"), ledger, dict(d.get("once") or {}))
+        return cls(d.get("multiplier"), ledger, dict(d.get("once") or {}), dict(d.get("multipliers") or {}))
 
 
 class HostPrivacy:
@@ -92,23 +94,37 @@ class HostPrivacy:
     def ledger(self, cid: int) -> PrivacyLedger:
         st = self.state(cid)
         if st.ledger is None:
-            st.ledger = PrivacyLedger(self.dp.epsilon, self.dp.delta, self.dp.accountant)
+            st.ledger = PrivacyLedger(self.dp.epsilon, self.dp.delta, self.dp.accountant, self._conversion())
         return st.ledger
 
     # -- calibration ---------------------------------------------------------------------------
+    def _conversion(self) -> str:
+        return str(getattr(self.dp, "conversion", "tight"))
+
     def _private_names(self, cid: int) -> list[str]:
         names = self.method.releases_of(cid)
         return [n for n in names if (m := self.mechanisms.get(n)) is not None and m.private]
 
-    def plan(self, cid: int, num_train: int) -> tuple[list[tuple[float, int]], float, int]:
+    def shares(self) -> Optional[dict[str, BudgetShare]]:
+        """The method's own split of each client's budget over its releases (None: one multiplier for the
+        whole run, calibrated jointly over every release)."""
+        shares = getattr(self.method, "budget_shares", None)
+        return shares() if self.dp.enabled and shares is not None else None
+
+    def plan(self, cid: int, num_train: int, names: Optional[list[str]] = None,
+             epsilon: Optional[float] = None) -> tuple[list[tuple[float, int]], float, int]:
         """The Gaussian compositions of the client's whole run [(q, steps)], its pure-DP epsilon, and the
-        number of participations it is calibrated for."""
+        number of participations it is calibrated for; of the releases `names` only (default: every private
+        one), with pure-DP parts taken from `epsilon` (default dp.epsilon)."""
         rounds = max(1, self.releases_per_client(cid))
         entries: list[tuple[float, int]] = []
         pure = 0.0
         seen: set[str] = set()
         specs = self.method.releases
+        budget = self.dp.epsilon if epsilon is None else epsilon
         for name in self._private_names(cid):
+            if names is not None and name not in names:
+                continue
             mech = self.mechanisms[name]
             assert mech is not None  # _private_names holds only uploads that resolved to a mechanism
             if mech.joint and mech.name in seen:
@@ -119,16 +135,61 @@ class HostPrivacy:
             times = 1 if specs[name].once else rounds
             if p.steps:
                 entries.append((p.q, p.steps * times))
-            pure += p.pure_share * self.dp.epsilon
+            pure += p.pure_share * budget
         return entries, pure, rounds
 
-    def multiplier(self, cid: int, num_train: int) -> float:
+    def multiplier(self, cid: int, num_train: int, name: Optional[str] = None) -> float:
+        """The client's noise multiplier: one for its whole run, or, under the method's budget shares, the
+        one of release `name` (calibrated on that release's compositions at its share of dp.epsilon)."""
+        shares = self.shares()
+        if shares:
+            return self._share_multiplier(cid, num_train, shares, name)
         st = self.state(cid)
         if st.multiplier is None:
             entries, pure, _ = self.plan(cid, num_train)
             st.multiplier = calibrate_multiplier(epsilon=self.dp.epsilon, delta=self.dp.delta, plan=entries,
-                                                 pure=pure, accountant=self.dp.accountant)
+                                                 pure=pure, accountant=self.dp.accountant, conversion=self._conversion())
         return st.multiplier
+
+    def _share_multiplier(self, cid: int, num_train: int, shares: dict[str, BudgetShare], name: Optional[str]) -> float:
+        from raysim.errors import ConfigError
+
+        from .accountant import classic_gaussian_multiplier
+
+        private = self._private_names(cid)
+        if name is None or name not in shares:
+            raise ConfigError(f"{self.method.name} splits its budget over {sorted(shares)}, but {name or 'a training step'!r} "
+                              f"has no share; every private release ({', '.join(private)}) needs one")
+        st = self.state(cid)
+        if name not in st.multipliers:
+            share = shares[name]
+            eps = share.share * self.dp.epsilon
+            entries, pure, _ = self.plan(cid, num_train, names=[name], epsilon=eps)
+            if pure:
+                raise ConfigError(f"{self.method.name}'s budget shares calibrate Gaussian releases; {name!r} has a pure-DP "
+                                  f"part ({cast(Mechanism, self.mechanisms[name]).name}: it spends dp.epsilon itself); "
+                                  "use dp.prototypes=igpp")
+            if share.calibration == "classic_gaussian":
+                if entries != [(1.0, 1)] or len(private) != 1:
+                    raise ConfigError(f"{name!r}: the classical Gaussian calibration covers one release that is the "
+                                      f"client's only private one (it spends the whole delta); the client releases {private}")
+                st.multipliers[name] = classic_gaussian_multiplier(epsilon=eps, delta=self.dp.delta)
+            else:
+                st.multipliers[name] = calibrate_multiplier(epsilon=eps, delta=self.dp.delta, plan=entries, pure=0.0,
+                                                            accountant=self.dp.accountant, conversion=self._conversion())
+        return st.multipliers[name]
+
+    def gaussian_release(self, cid: int, name: str, mechanism: str, multiplier: float, round_idx: int) -> Release:
+        """The ledger entry of one Gaussian release of `name` (q = 1, one step) at `multiplier`: composed
+        through the ledger's accountant, or, for a classical-Gaussian share, the exact epsilon of that noise at
+        the run's delta (the analytic Gaussian mechanism), with the share's note on what it covers."""
+        from .accountant import analytic_gaussian_epsilon
+
+        share = (self.shares() or {}).get(name)
+        if share is not None and share.calibration == "classic_gaussian":
+            eps = analytic_gaussian_epsilon(multiplier, delta=self.dp.delta)
+            return Release(mechanism, multiplier, 1.0, 1, round_idx, epsilon=eps, delta=float(self.dp.delta), note=share.note)
+        return Release(mechanism, multiplier, 1.0, 1, round_idx, note=share.note if share is not None else "")
 
     # -- one round -------------------------------------------------------------------------------
     def open(self, cid: int, round_idx: int, num_train: int, shared: dict[str, Tensor]) -> "RoundPrivacy":
@@ -217,7 +278,7 @@ class RoundPrivacy:
             assignments = assignments.detach().long().cpu()
         if mech is None:  # DP off: the clean class means (or cluster centres)
             return NoDP().release(name, features=features, labels=labels, num_classes=num_classes, assignments=assignments)
-        z = self.host.multiplier(self.cid, self.num_train)
+        z = self.host.multiplier(self.cid, self.num_train, name)
         rounds = max(1, self.host.releases_per_client(self.cid))  # the releases it was calibrated for
         gen = generator(self.host.seed, "dp-release", name, self.round, self.cid)
         # a prototype upload resolves to the mechanism dp.prototypes names (a registered release mechanism)
@@ -225,16 +286,16 @@ class RoundPrivacy:
                                 assignments=assignments)
         if extra.get("pure_epsilon"):
             self._record(Release(f"{mech.name}_topk", 0.0, 1.0, 1, self.round, epsilon=extra["pure_epsilon"]))
-        self._record(Release(mech.name, z, 1.0, 1, self.round))
+        self._record(self.host.gaussian_release(self.cid, name, mech.name, z, self.round))
         return out
 
     def _embedding(self, name: str, value: Tensor, clip: float) -> Tensor:
         mech = self._mechanism(name)
         if mech is None:
             return NoDP().release(name, value)
-        z = self.host.multiplier(self.cid, self.num_train)
+        z = self.host.multiplier(self.cid, self.num_train, name)
         gen = generator(self.host.seed, "dp-release", name, self.round, self.cid)
-        self._record(Release(mech.name, z, 1.0, 1, self.round))
+        self._record(self.host.gaussian_release(self.cid, name, mech.name, z, self.round))
         return mech.apply(value.detach().float().cpu(), clip=clip, multiplier=z, generator=gen)  # type: ignore[attr-defined]
 
     # -- what the host does after local training ---------------------------------------------------

@@ -7,8 +7,14 @@ Two kinds of release are composed:
   All of them are composed together through the ledger's Opacus accountant (RDP or PRV) at the
   ledger's delta.
 * Releases carrying an explicit `epsilon` (e.g. the pure-DP Laplace top-k partition of VPP, whose
-  sigma is irrelevant): they add to the total by basic sequential composition,
-  (eps1, 0) + (eps2, delta) = (eps1 + eps2, delta).
+  sigma is irrelevant), and with it the `delta` they spend (0 for pure DP; an analytic Gaussian
+  release's own delta): they add to the total by basic sequential composition,
+  (eps1, delta1) + (eps2, delta2) = (eps1 + eps2, delta1 + delta2), the Gaussian part being converted
+  at the ledger's delta less what those releases spend.
+
+The ledger's `conversion` (dp.conversion: tight | classic, privacy/accountant.py CONVERSIONS) says how the
+RDP curve becomes epsilon; a release's `note` says what its epsilon covers when that is not everything
+the client sends (`scope()`).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any
 
 from raysim.errors import ConfigError, PrivacyBudgetExceeded
 
-from .accountant import RDP_ALPHAS, _check_accountant, _check_delta, epsilon_spent
+from .accountant import RDP_ALPHAS, _check_accountant, _check_conversion, _check_delta, classic_rdp_epsilon, epsilon_spent
 
 
 @lru_cache(maxsize=4096)
@@ -69,28 +75,32 @@ class Release:
     # what the reference code would report for this release (its target epsilon), kept beside the ledger's
     # own epsilon; None for a valid release
     claimed_epsilon: float | None = None
+    delta: float = 0.0  # with `epsilon`: the delta this release spends (0 = pure DP)
+    note: str = ""  # what this release's epsilon covers, when not everything the client sends
 
 
 class PrivacyLedger:
     """Releases of one client, with the epsilon they spend at `delta` and a budget `target_epsilon`."""
 
-    def __init__(self, target_epsilon: float, delta: float, accountant: str = "rdp") -> None:
+    def __init__(self, target_epsilon: float, delta: float, accountant: str = "rdp", conversion: str = "tight") -> None:
         target_epsilon = float(target_epsilon)
         if math.isnan(target_epsilon) or target_epsilon <= 0:
             raise ConfigError(f"target epsilon must be > 0 (inf for no budget), got {target_epsilon}")
         self.target_epsilon = target_epsilon
         self.delta = _check_delta(delta)
         self.accountant = _check_accountant(accountant)
+        self.conversion = _check_conversion(conversion, self.accountant)
         self.releases: list[Release] = []
         self._cache: float | None = None
 
     # -- composition ------------------------------------------------------------------------
     def _compose(self, releases: list[Release]) -> float:
-        pure = 0.0
+        pure, pure_delta = 0.0, 0.0
         merged: dict[tuple[float, float], int] = {}  # (sigma, q) -> steps; the mechanism name does not change the math
         for r in releases:
             if r.epsilon is not None:
                 pure += float(r.epsilon)
+                pure_delta += float(r.delta)
                 continue
             if int(r.steps) <= 0:
                 continue
@@ -99,12 +109,19 @@ class PrivacyLedger:
         if math.isinf(pure):
             return math.inf
         history = [(s, q, n) for (s, q), n in merged.items()]
+        if pure_delta > self.delta * (1 + 1e-9):
+            return math.inf  # the separately analysed releases alone spend more than the ledger's delta
+        rest = self.delta - pure_delta  # what is left of delta for the Gaussian compositions
         if not history:
             gauss = 0.0
+        elif rest <= self.delta * 1e-9:  # nothing left of delta (up to float rounding of the sum)
+            return math.inf
+        elif self.conversion == "classic":
+            gauss = classic_rdp_epsilon(history, delta=rest)
         elif self.accountant == "rdp":  # fast path, identical to epsilon_spent(..., accountant="rdp")
-            gauss = _rdp_epsilon(history, self.delta)
+            gauss = _rdp_epsilon(history, rest)
         else:
-            gauss = epsilon_spent(history, delta=self.delta, accountant=self.accountant)
+            gauss = epsilon_spent(history, delta=rest, accountant=self.accountant)
         return pure + gauss
 
     def epsilon(self) -> float:
@@ -147,6 +164,11 @@ class PrivacyLedger:
         claims = [float(r.claimed_epsilon) for r in self.releases if r.claimed_epsilon is not None]
         return max(claims) if claims else None
 
+    def scope(self) -> list[str]:
+        """What the ledger's epsilon covers, where a release says it is not everything the client sends
+        (e.g. FedTSP's paper mode: the description embedding only); empty when it covers every upload."""
+        return list(dict.fromkeys(r.note for r in self.releases if r.note))
+
     def remaining(self) -> float:
         return self.target_epsilon - self.epsilon()
 
@@ -156,6 +178,7 @@ class PrivacyLedger:
             "target_epsilon": float(self.target_epsilon),
             "delta": float(self.delta),
             "accountant": self.accountant,
+            "conversion": self.conversion,
             "releases": [
                 {k: (v if v is None or isinstance(v, (str, bool)) else (int(v) if k in ("steps", "round") else float(v)))
                  for k, v in asdict(r).items()}
@@ -165,7 +188,7 @@ class PrivacyLedger:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "PrivacyLedger":
-        ledger = cls(d["target_epsilon"], d["delta"], d.get("accountant", "rdp"))
+        ledger = cls(d["target_epsilon"], d["delta"], d.get("accountant", "rdp"), d.get("conversion", "tight"))
         for r in d.get("releases", []):
             ledger.releases.append(Release(**r))
         return ledger
@@ -173,5 +196,6 @@ class PrivacyLedger:
     def __repr__(self) -> str:
         return (
             f"PrivacyLedger(target_epsilon={self.target_epsilon}, delta={self.delta}, accountant={self.accountant!r}, "
+            f"conversion={self.conversion!r}, "
             f"releases={len(self.releases)})"
         )

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from numpy._core import multiarray as np_multiarray  # numpy's stubs do not list np._core
 
-from raysim.errors import CheckpointError, DataError
+from raysim.errors import CheckpointError, DataError, RaysimError
 
 DIGEST_SUFFIX = ".sha256"
 MAX_FILE_BYTES = int(os.environ.get("RAYSIM_MAX_FILE_BYTES", str(8 << 30)))  # documented maximum (docs/security.md)
@@ -160,3 +160,100 @@ def load_checked(path: Path, *, root: str | Path | None = None) -> Any:
             f"{path} is truncated or corrupted ({len(data)} bytes whose SHA-256 does not match the one recorded when it was written)"
         )
     return safe_load(data, what=str(path))
+
+
+# ------------------------------------------------------------------ pickled numpy data from elsewhere
+# What a pickle of plain numpy data needs besides the pickle opcodes for dicts, lists, tuples, strings and
+# numbers: numpy's array and scalar reconstructors (under numpy 1's and numpy 2's module names) and the
+# dtype. Nothing else is ever looked up, so no class or function of a hostile file can run.
+PLAIN_PICKLE_GLOBALS: frozenset[tuple[str, str]] = frozenset({
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+})
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """An unpickler that admits numpy arrays, numpy scalars, dicts, lists, tuples, strings and numbers only."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in PLAIN_PICKLE_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not plain data")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("persistent references are not plain data")
+
+
+def plain_unpickle(data: bytes | io.BufferedIOBase, *, what: str = "the file", error: type[Exception] = DataError) -> Any:
+    """Unpickle plain numpy data (arrays, scalars, dicts, lists, numbers, strings); anything else (an object
+    whose unpickling would call a class or a function) raises `error` naming `what`, before it runs."""
+    fp = io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data
+    try:
+        return _PlainUnpickler(fp).load()
+    except pickle.UnpicklingError as e:
+        raise error(
+            f"{what} holds a pickled object that is not plain data ({e}); unpickling it could run code, so raysim "
+            "refuses it. Only numpy arrays, dicts, lists and numbers are accepted."
+        ) from None
+    except Exception as e:
+        raise error(f"{what} is truncated or corrupted ({_reason(e)})") from None
+
+
+def read_npz_safely(path: str | Path, *, root: str | Path | None = None, max_bytes: int | None = None,
+                    error: type[Exception] = DataError) -> dict[str, Any]:
+    """The arrays of an .npz archive (np.savez / np.savez_compressed) as {name: value}, read without
+    numpy's `allow_pickle`: an object array (a pickled dict, as PFLlib stores its clients) is unpickled
+    with `plain_unpickle`, and its single value returned for a 0-d array (what `.tolist()` gives).
+
+    The archive is read with `read_regular` (a regular file of at most `max_bytes`, default
+    MAX_FILE_BYTES), and each member may hold at most that many bytes uncompressed, so neither a large
+    file nor a zip bomb can exhaust memory. Anything malformed raises `error` naming the file."""
+    limit = MAX_FILE_BYTES if max_bytes is None else max_bytes
+    return parse_npz(read_regular(path, root=root, max_bytes=limit, error=error), what=str(path), max_bytes=limit, error=error)
+
+
+def parse_npz(raw: bytes, *, what: str, max_bytes: int | None = None, error: type[Exception] = DataError) -> dict[str, Any]:
+    """`read_npz_safely` on the bytes of an archive already read (with `read_regular`); `what` names it."""
+    import zipfile
+
+    path = what
+    limit = MAX_FILE_BYTES if max_bytes is None else max_bytes
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(raw))
+    except (zipfile.BadZipFile, ValueError, OSError) as e:
+        raise error(f"{path} is not an .npz archive ({_reason(e)})") from None
+    out: dict[str, Any] = {}
+    with archive:
+        for info in archive.infolist():
+            member = f"{path}[{info.filename}]"
+            if not info.filename.endswith(".npy"):
+                raise error(f"{member}: an .npz archive holds only .npy members")
+            if info.file_size > limit:
+                raise error(f"{member} unpacks to {info.file_size} bytes, more than the {limit} bytes allowed")
+            try:
+                with archive.open(info) as f:
+                    buf = io.BytesIO(f.read(limit + 1))
+                if len(buf.getbuffer()) > limit:
+                    raise error(f"{member} unpacks to more than the {limit} bytes allowed")
+                version = np.lib.format.read_magic(buf)
+                if version == (1, 0):
+                    shape, fortran, dtype = np.lib.format.read_array_header_1_0(buf)
+                else:
+                    shape, fortran, dtype = np.lib.format.read_array_header_2_0(buf)
+                if dtype.hasobject:
+                    value = plain_unpickle(buf, what=member, error=error)
+                    if isinstance(value, np.ndarray) and value.dtype.hasobject and value.shape == ():
+                        value = value.item()
+                else:
+                    buf.seek(0)
+                    value = np.lib.format.read_array(buf, allow_pickle=False)
+            except RaysimError:
+                raise
+            except Exception as e:  # a cut member, a bad header
+                raise error(f"{member} is truncated or corrupted ({_reason(e)})") from None
+            out[info.filename[: -len(".npy")]] = value
+    return out

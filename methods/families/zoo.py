@@ -44,7 +44,7 @@ class ZooOptions:
     feature_dim: int = 512
     client_lr: float = 0.0  # plain-SGD client lr; 0 = the run's lr
     shuffle: bool = False  # False = fixed data order (the official loaders)
-    protocol: str = "head"  # head | htfllib (predict by the nearest global prototype; see methods/fedtsp/fedproto.py)
+    protocol: str = "head"  # head | fedtsp (FedTSP's code: head) | htfllib (nearest global prototype); see fedproto.py
 
 
 @dataclass
@@ -70,9 +70,10 @@ def validate_common(o: Any, name: str) -> None:
         raise ConfigError(f"{name}.lam must be >= 0")
     if getattr(o, "proto_weighting", "samples") not in ("samples", "uniform"):
         raise ConfigError(f"{name}.proto_weighting must be samples or uniform")
-    if getattr(o, "protocol", "head") not in ("head", "htfllib"):
-        raise ConfigError(f"{name}.protocol must be head (predict with the client's head) or htfllib "
-                          f"(predict by the nearest global prototype, as HtFLlib), got {o.protocol!r}")
+    if getattr(o, "protocol", "head") not in ("head", "fedtsp", "htfllib"):
+        raise ConfigError(f"{name}.protocol must be head (predict with the client's head), fedtsp (as the code "
+                          f"behind fedtsp.txt's tables: HtFLlib's prototype collection, predict with the head) or "
+                          f"htfllib (predict by the nearest global prototype, as upstream HtFLlib), got {o.protocol!r}")
 
 
 class HeteroMethod(Method):

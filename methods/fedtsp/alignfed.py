@@ -1,35 +1,44 @@
-"""AlignFed on the heterogeneous client zoo (SPEC 2.9: lambda 20, final lambda 2), as fedtsp.txt describes it:
-the server fixes class prototypes uniformly spread on a hypersphere, and the clients align their features
-to them, so that differently built extractors map a class to the same place.
+"""AlignFed on the heterogeneous client zoo, as the code behind FedTSP's tables runs it (the authors'
+HtFLlib-based repository XinghaoWu/FedTSP_CVPR26: clientalign.py, serveralign.py, SOTA_AlignFed.sh;
+SPEC 2.9: lambda 20, final lambda 2): the server fixes class anchors spread uniformly on the unit
+hypersphere, and the clients pull their features towards them, so that differently built extractors map a
+class to the same place; the clients share and average the head.
 
-Server   Once, at init: C anchors a_c on the unit sphere of R^d, maximally separated and equidistant: a
-         simplex equiangular tight frame, a_c = sqrt(C / (C - 1)) U (e_c - 1/C), U a random (seeded) d x C
-         matrix with orthonormal columns; |a_c| = 1 and cos(a_c, a_c') = -1 / (C - 1) for c != c', the
-         largest possible minimum angle between C unit vectors. They never change and cost no privacy
-         (no client data enters them). Each round the server averages the uploaded heads.
+Server   Once, at init: C anchors a_c on the unit sphere of R^d (`anchors=uniformity`, the code's
+         generate_target): v ~ U[-1, 1]^(C x d), then `anchor_iters` (100000) plain-SGD steps at
+         `anchor_lr` (0.1) on the uniformity loss (1/C) sum_i log sum_j exp(<u_i, u_j> / `anchor_tau`)
+         (0.5), u = v / |v| row-wise; the anchors are u of the last step. They never change and cost no
+         privacy (no client data enters them). Each round the server takes the sample-weighted mean of the
+         uploaded heads.
 Client   Its own zoo extractor f (private) and the shared head h = Linear(d, C), loaded from the broadcast
          each round; plain SGD at the client lr on
-             L = CE(h(f(x)), y) + lambda_t * CE(cos(f(x), a_c) / tau over c, y)
-         (f(x) nearer its own anchor than any other; `align=cos` uses mean(1 - cos(f(x), a_y)) instead),
-         with lambda_t annealed linearly from `lam` (round 0) to `lam_final` (the last round).
+             L = CE(h(f(x)), y) + lambda_t * L_align,
+         L_align (`align=center`, the code's Contrastive_Loss_Center at temperature `tau` = 1): with
+         s_ic = cos(f(x_i), a_c) / tau over the batch B, each centre c takes a softmax over the batch,
+             L_align = -(1/C) sum_c (1/|B_c|) sum_{i in B_c} [s_ic - log sum_{j in B} exp(s_jc)],
+         B_c the batch's samples of class c (a class absent from the batch adds 0, and still counts in
+         the 1/C). lambda_t decays exponentially (`schedule=exp`, the code's get_transfer_lambda):
+             lambda_t = lam * exp(t ln(lam_final / lam) / R),   t = 0 .. R-1 the round, R = train.rounds,
+         so lambda_0 = lam and lambda_R would be lam_final (the code runs R + 1 rounds, 0 .. R).
          Uploads its trained head.
 Eval     f with the current global head.
 Uploads  the head only, as an update() release (dp.level=client; dp.level=sample is refused: the head is
          trained by plain SGD). The anchors and f never leave the client.
 
-Decisions (no official code was found; SPEC 2.9 gives only "lambda 20, final lambda 2"):
-- the collaboration channel is the head, averaged as in the re-implementations that share a classifier
-  over aligned features: with every client's features pulled onto the same fixed anchors, heads trained on
-  different extractors become interchangeable. Nothing prototype-like is uploaded, so no
-  release_prototypes is needed (the anchors are fixed, the server has no use for client class means).
-- "final lambda" is read as the end point of a linear schedule over the rounds (20 -> 2).
-- the alignment compares directions only (the anchors live on the sphere, the zoo's features are
-  unnormalised), and by default asks that f(x) be nearer its own anchor than the others (CE over the
-  cosines, tau = 0.1) rather than on it: the zoo's features are non-negative (ReLU, then average
-  pooling) and, for extractors narrower than d, repeated to d, so they cannot reach a signed anchor.
-  Measured on digits (alignfed.model_family=tiny, 3 clients, Dirichlet 0.5, 3 rounds, inline):
-  round-3 in_client 0.72 with tau = 0.1, 0.65 with tau = 0.5, 0.54 with align=cos (1 - cos stays ~0.88);
-  tau = 0.01 with lambda 20 diverges.
+The project's earlier variant, kept by name (written before the authors' code was found):
+- `align=ce`: CE over the classes of cos(f(x), a_c) / tau, i.e. f(x) nearer its own anchor than the
+  others (the softmax over classes, not over the batch), which the project ran at tau = 0.1;
+  `align=cos`: mean over the batch of 1 - cos(f(x), a_y) (f(x) on its anchor).
+- `schedule=linear`: lambda from `lam` (round 0) to `lam_final` (the last round), linear in between.
+- `anchors=etf`: a seeded simplex equiangular tight frame, a_c = sqrt(C / (C - 1)) U (e_c - 1/C), U a
+  random d x C matrix with orthonormal columns: |a_c| = 1 and cos(a_c, a_c') = -1 / (C - 1), the largest
+  possible minimum angle (FedETF's fixed classifier, which fedtsp.txt's related work cites beside
+  AlignFed; needs feature_dim >= C); the uniformity optimisation tends towards a spread of that kind.
+  Together (`align=ce tau=0.1 schedule=linear anchors=etf`) they are the earlier default. Its measure
+  (digits, tiny family, 3 clients, Dirichlet 0.5, 3 rounds, inline): round-3 in_client 0.72 at tau 0.1,
+  0.65 at 0.5, 0.54 with align=cos; tau 0.01 with lambda 20 diverges.
+Differences that remain: round 0 starts every client from one head the server draws (the code's clients
+start from their own random heads and first load a global head after round 0's aggregation).
 """
 
 from __future__ import annotations
@@ -49,24 +58,70 @@ from raysim.privacy.mechanisms import update
 
 @dataclass
 class Options:
-    lam: float = 20.0  # alignment weight at round 0
-    lam_final: float = 2.0  # ... at the last round (linear in between)
+    lam: float = 20.0  # alignment weight at round 0 (SOTA_AlignFed.sh --lamda)
+    lam_final: float = 2.0  # ... the end point of the schedule (--final_lamda)
     model_family: str = "HtFE2"  # HtFE2 | HtFE3 | HtFE4 | HtFE9 | tiny
     feature_dim: int = 512
     client_lr: float = 0.0  # plain-SGD client lr; 0 = the run's lr
     shuffle: bool = False  # False = fixed data order (the official loaders)
     weighting: str = "samples"  # head average: samples (n_k / n) | uniform
-    align: str = "ce"  # ce: CE over cos(f, a_c) / tau | cos: 1 - cos(f, a_y)
-    tau: float = 0.1  # temperature of align=ce
+    align: str = "center"  # center: the code's centre-wise contrastive loss | ce: CE over classes | cos: 1 - cos(f, a_y)
+    tau: float = 1.0  # temperature of align=center / ce (the code: 1; the earlier ce default: 0.1)
+    schedule: str = "exp"  # exp: the code's exponential decay | linear: lam -> lam_final over the rounds
+    anchors: str = "uniformity"  # uniformity: the code's generate_target | etf: a seeded simplex ETF
+    anchor_iters: int = 100000  # SGD steps of the uniformity optimisation (the code: 100000)
+    anchor_lr: float = 0.1  # ... its lr
+    anchor_tau: float = 0.5  # ... its temperature
 
     def validate(self) -> None:
         validate_common(self, "alignfed")
-        if self.lam_final < 0:
-            raise ConfigError("alignfed.lam_final must be >= 0")
-        if self.align not in ("ce", "cos") or not self.tau > 0:
-            raise ConfigError(f"alignfed.align must be ce or cos and alignfed.tau > 0, got {self.align!r}, {self.tau}")
+        if self.lam < 0 or self.lam_final < 0:
+            raise ConfigError("alignfed.lam and alignfed.lam_final must be >= 0")
+        if self.align not in ALIGNS or not self.tau > 0:
+            raise ConfigError(f"alignfed.align must be one of {', '.join(ALIGNS)} and alignfed.tau > 0, got {self.align!r}, {self.tau}")
+        if self.schedule not in ("exp", "linear"):
+            raise ConfigError(f"alignfed.schedule must be exp or linear, got {self.schedule!r}")
+        if self.schedule == "exp" and self.lam > 0 and self.lam_final <= 0:
+            raise ConfigError("alignfed.schedule=exp decays lam towards lam_final geometrically and needs lam_final > 0; "
+                              "set alignfed.lam_final > 0 or alignfed.schedule=linear")
+        if self.anchors not in ("uniformity", "etf"):
+            raise ConfigError(f"alignfed.anchors must be uniformity or etf, got {self.anchors!r}")
+        if self.anchor_iters < 0 or not self.anchor_lr > 0 or not self.anchor_tau > 0:
+            raise ConfigError("alignfed.anchor_iters must be >= 0 and alignfed.anchor_lr, alignfed.anchor_tau > 0")
         if self.weighting not in ("samples", "uniform"):
             raise ConfigError(f"alignfed.weighting must be samples or uniform, got {self.weighting!r}")
+
+
+ALIGNS = ("center", "ce", "cos")
+
+
+def uniformity_anchors(num_classes: int, dim: int, generator: torch.Generator, *, iters: int = 100000,
+                       lr: float = 0.1, tau: float = 0.5) -> Tensor:
+    """(C, d) unit vectors spread on the sphere as the code's generate_target does: v ~ U[-1, 1], then
+    `iters` plain-SGD steps on (1/C) sum_i log sum_j exp(<u_i, u_j> / tau), u = v / |v|; returns the u of
+    the last step (taken before that step's update, as the code returns it)."""
+    if num_classes < 2:
+        raise ConfigError("alignfed needs at least 2 classes")
+    v = torch.empty(num_classes, dim).uniform_(-1.0, 1.0, generator=generator).requires_grad_(True)
+    u = F.normalize(v.detach(), dim=1)
+    for _ in range(iters):
+        un = F.normalize(v, dim=1)
+        u = un.detach()
+        loss = torch.logsumexp(un @ un.T / tau, dim=0).sum() / num_classes
+        (grad,) = torch.autograd.grad(loss, v)
+        with torch.no_grad():
+            v -= lr * grad
+    return u.contiguous()
+
+
+def center_contrastive_loss(feats: Tensor, y: Tensor, centres: Tensor, tau: float = 1.0) -> Tensor:
+    """The code's Contrastive_Loss_Center (cosine): s_ic = cos(f_i, a_c) / tau; per centre a softmax over the
+    batch; -(1/C) sum_c mean_{i: y_i = c} log softmax_i(s_.c) (a class absent from the batch adds 0)."""
+    s = F.normalize(feats, dim=1) @ F.normalize(centres, dim=1).T / tau
+    log_p = s - torch.logsumexp(s, dim=0, keepdim=True)
+    mask = F.one_hot(y, centres.shape[0]).to(s.dtype)
+    per_centre = (mask * log_p).sum(0) / (mask.sum(0) + 1e-6)  # the code's eps
+    return -per_centre.mean()
 
 
 def simplex_etf(num_classes: int, dim: int, generator: torch.Generator) -> Tensor:
@@ -83,9 +138,12 @@ def simplex_etf(num_classes: int, dim: int, generator: torch.Generator) -> Tenso
     return m.T.contiguous().float()
 
 
-def align_loss(feats: Tensor, y: Tensor, anchors: Tensor, kind: str = "ce", tau: float = 0.1) -> Tensor:
-    """"ce": CE over classes of cos(f(x), a_c) / tau (f(x) nearer its own anchor than the others');
-    "cos": mean over the batch of 1 - cos(f(x), a_y) (f(x) on its anchor)."""
+def align_loss(feats: Tensor, y: Tensor, anchors: Tensor, kind: str = "center", tau: float = 1.0) -> Tensor:
+    """"center": the code's centre-wise contrastive loss (center_contrastive_loss); "ce": CE over classes of
+    cos(f(x), a_c) / tau (f(x) nearer its own anchor than the others'); "cos": mean over the batch of
+    1 - cos(f(x), a_y) (f(x) on its anchor)."""
+    if kind == "center":
+        return center_contrastive_loss(feats, y, anchors, tau)
     if kind == "cos":
         return (1.0 - F.cosine_similarity(feats, anchors[y], dim=1)).mean()
     cos = F.normalize(feats, dim=1) @ F.normalize(anchors, dim=1).T
@@ -102,11 +160,21 @@ class AlignFed(HeteroMethod):
     client_metrics = ("loss", "ce", "align", "lam")
 
     def lam(self, round_idx: int) -> float:
-        o, last = self.opts, max(1, self.train.rounds - 1)
+        """lambda_t: exp (the code): lam * exp(t ln(lam_final / lam) / R); linear: lam -> lam_final at R - 1."""
+        o = self.opts
+        if o.schedule == "exp":
+            if o.lam == 0:
+                return 0.0
+            return o.lam * math.exp(round_idx * math.log(o.lam_final / o.lam) / max(1, self.train.rounds))
+        last = max(1, self.train.rounds - 1)
         return o.lam + (o.lam_final - o.lam) * min(1.0, round_idx / last)
 
     def init_shared(self, env: HtEnv, rng: torch.Generator) -> dict[str, Tensor]:
-        anchors = simplex_etf(env.num_classes, env.feature_dim, rng)
+        o = self.opts
+        if o.anchors == "etf":
+            anchors = simplex_etf(env.num_classes, env.feature_dim, rng)
+        else:
+            anchors = uniformity_anchors(env.num_classes, env.feature_dim, rng, iters=o.anchor_iters, lr=o.anchor_lr, tau=o.anchor_tau)
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

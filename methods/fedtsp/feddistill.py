@@ -1,8 +1,15 @@
-"""FedDistill (federated distillation, Jeong et al. 2018; HtFLlib's FedDistill) on the client zoo: the
-clients share per-class average logits instead of weights (fedtsp.txt Table 1).
+"""FedDistill (federated distillation, Jeong et al. 2018) on the client zoo, as the code behind FedTSP's
+tables runs it (XinghaoWu/FedTSP_CVPR26 clientdistill.py / serverdistill.py, SOTA_FedDistill.sh
+--lamda=1): the clients share per-class average logits instead of weights (fedtsp.txt Table 1).
 
-Client   L = CE(h_i(f_i(x)), y) + lam * MSE(h_i(f_i(x)), Z_g[y]); a sample whose class has no global
-         logits yet contributes no MSE (its own logits stand in, as in HtFLlib). While training it
+Client   `distill=ce` (the code): L = CE(z, y) + lam * CE(z, softmax(Z_g[y])), z = h_i(f_i(x)), the second a
+         cross-entropy against the soft target softmax(Z_g[y]), averaged over the batch:
+             -(1/B) sum_i sum_c softmax(Z_g[y_i])_c log softmax(z_i)_c.
+         A sample whose class has no global logits yet takes softmax(z_i) (detached) as its target, as in
+         the code: it adds its entropy to the loss's value and nothing to the gradient, and still counts
+         in the 1/B. `distill=mse` (upstream HtFLlib's clientdistill, the project's earlier default):
+         lam * MSE(z, Z_g[y]), the mean over batch x classes, a sample without global logits comparing z
+         with itself (0). While training it
          collects the logits its batches produce (train mode, every epoch: HtFLlib's clientdistill) and
          uploads their per-class mean Z_i[c] with the per-class counts.
 Server   Z_g[c] = plain mean of the uploaded Z_i[c] over the clients that hold c (HtFLlib's
@@ -21,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 
 from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, LocalResult, register_method
@@ -38,12 +47,27 @@ from raysim.privacy.mechanisms import prototype, public
 
 @dataclass
 class Options(ZooModelOptions):
-    lam: float = 1.0  # HtFLlib's lamda default (the FedTSP scripts do not set it for FedDistill)
+    lam: float = 1.0  # the distillation weight (SOTA_FedDistill.sh --lamda=1)
+    distill: str = "ce"  # ce: CE(z, softmax(Z_g[y])) (the FedTSP code) | mse: MSE(z, Z_g[y]) (upstream HtFLlib)
 
     def validate(self) -> None:
         validate_common(self, "feddistill")
         if self.lam < 0:
             raise ConfigError("feddistill.lam must be >= 0")
+        if self.distill not in ("ce", "mse"):
+            raise ConfigError(f"feddistill.distill must be ce (the FedTSP code) or mse (upstream HtFLlib), got {self.distill!r}")
+
+
+def soft_target_ce(logits: Tensor, y: Tensor, global_logits: Tensor, has: Tensor) -> Tensor:
+    """The code's CE(z, softmax(Z_g[y])): the batch mean of -sum_c softmax(Z_g[y_i])_c log softmax(z_i)_c; a
+    row whose class has no global logits takes softmax(z_i) (detached) as its target (value, no gradient)."""
+    target = torch.where(has[y][:, None], global_logits[y], logits.detach()).softmax(dim=1)
+    return -(target * F.log_softmax(logits, dim=1)).sum(1).mean()
+
+
+def distill_loss(logits: Tensor, y: Tensor, global_logits: Tensor, has: Tensor, kind: str = "ce") -> Tensor:
+    """`ce`: soft_target_ce; `mse`: MSE(z, Z_g[y]) over the rows with global logits (the others compare z with itself)."""
+    return soft_target_ce(logits, y, global_logits, has) if kind == "ce" else proto_mse(logits, y, global_logits, has)
 
 
 @register_method
@@ -53,7 +77,7 @@ class FedDistill(HeteroMethod):
     eval_ignores = ("logits", "has")  # the global class logits only teach
     Options = Options
     releases = {"logits": prototype(), "counts": public(COUNTS_NOTE)}
-    client_metrics = ("loss", "ce", "mse")
+    client_metrics = ("loss", "ce", "distill")
 
     def init_shared(self, env: HtEnv, rng: torch.Generator):
         return {"logits": torch.zeros(env.num_classes, env.num_classes), "has": torch.zeros(env.num_classes)}
@@ -61,21 +85,21 @@ class FedDistill(HeteroMethod):
     def local_train(self, env: HtEnv, shared, private, data: ClientData, *, rng, privacy) -> LocalResult:
         model = self.model(env, private)
         global_logits, has = shared["logits"].to(env.device).float(), shared["has"].to(env.device) > 0.5
-        mse_terms: list[float] = []
+        terms: list[float] = []
         extra = None
         if bool(has.any()) and self.opts.lam > 0:
             def extra(feats, y):
-                term = self.opts.lam * proto_mse(model.head(feats), y, global_logits, has)
-                mse_terms.append(float(term.detach()))
+                term = self.opts.lam * distill_loss(model.head(feats), y, global_logits, has, self.opts.distill)
+                terms.append(float(term.detach()))
                 return term
         means = PerExampleMeans(data.num_train, data.num_classes)
         loss = self.train_model(env, model, data, rng, extra, privacy, on_batch=lambda idx, feats, logits: means.add(idx, logits))
-        mse = sum(mse_terms) / len(mse_terms) if mse_terms else 0.0
+        distill = sum(terms) / len(terms) if terms else 0.0
         return LocalResult(
             upload=release_class_means(privacy, "logits", means, data.y_train, data.num_classes),
             private={**private, "model": snapshot(model)},
             num_samples=data.num_train,
-            metrics={"loss": loss, "ce": loss - mse, "mse": mse},
+            metrics={"loss": loss, "ce": loss - distill, "distill": distill},
         )
 
     def aggregate(self, env: HtEnv, shared, uploads, rng):

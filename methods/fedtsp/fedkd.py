@@ -1,5 +1,6 @@
 """FedKD (Wu et al. 2022, "Communication-efficient federated learning via knowledge distillation") on the
-heterogeneous client zoo (SPEC 2.9: mentee lr 0.01, T_start = T_end = 0.95).
+heterogeneous client zoo, as the code behind FedTSP's tables runs it (XinghaoWu/FedTSP_CVPR26 clientkd.py /
+serverkd.py, SOTA_FedKD.sh; SPEC 2.9: mentee lr 0.01, T_start = T_end = 0.95).
 
 Client   The mentor t is the client's own zoo model (private); the mentee s is a copy of the global small
          model (`SharedSmallModel`, methods/families/homogeneous.py). With a private Linear(d, d) W_h (no bias) that maps the mentee's
@@ -8,31 +9,36 @@ Client   The mentor t is the client's own zoo model (private); the mentee s is a
              L_t = CE_t + w * KL(p_s || p_t) + w * MSE(f_t, W_h f_s)
              L_s = CE_s + w * KL(p_t || p_s) + w * MSE(f_t, W_h f_s)
          each model descends its own objective (the other's outputs are targets; w is a weight, not
-         differentiated); W_h descends both hidden terms. Plain SGD: mentor and W_h at the client lr, the
-         mentee at `mentee_lr`; gradient norms clipped to `clip_grad` per module (HtFLlib's 10).
-         Upload: the mentee's update (trained - broadcast), SVD-compressed at energy T (below), added back
-         to the broadcast weights.
-Server   mentee <- broadcast + SVD_T(average of the uploads - broadcast) (the paper compresses the
-         aggregated update for the downlink too); uniform 1/K (HtFLlib) or sample-weighted average.
-Eval     Each client's mentor, as HtFLlib's clientKD.
+         differentiated); W_h descends both hidden terms. Plain SGD, mentor, mentee and W_h all at the
+         client lr (`mentee_lr=0`, the code: its mentee optimiser takes the client lr and never reads the
+         scripts' --mentee_learning_rate); gradient norms clipped to `clip_grad` per module (HtFLlib's 10).
+         Upload (`compression=none`, the code): the trained mentee's full weights.
+Server   mentee <- the average of the uploaded mentees; uniform 1/K (the code) or sample-weighted.
+Eval     Each client's mentor, as the code's clientKD.
 
-SVD compression at energy T: each update tensor with >= 2 dims is seen as a matrix (out, in * k * k),
-M = U S V^T, and only the top-r singular triplets are kept, r the smallest rank whose energy
-sum_{i<=r} s_i^2 reaches T * ||M||_F^2; so ||M - M_r||_F^2 <= (1 - T) ||M||_F^2 and the link carries
-r (m + n + 1) numbers instead of m n (or the matrix itself where its factors would not be smaller; the
-client metric `upload_ratio` is the fraction sent). Vectors (biases, BatchNorm) go
-as they are. The threshold moves linearly over the rounds, T(t) = T_start + (T_end - T_start) t / R
-(HtFLlib's server); with T_start = T_end (the scripts: 0.95) it is the same 95 % every round, i.e. no
-schedule: every round keeps the smallest rank holding 95 % of each update matrix's energy.
-HtFLlib differs: it decomposes the parameters themselves, not their update, and 4-D convolution
-weights per (out, in) pair of k x k kernels; this file follows the paper (updates, matrices).
+`compression=svd` (the FedKD paper, the project's earlier default; the code has it commented out): the
+upload is the mentee's update (trained - broadcast), SVD-compressed at energy T, added back to the
+broadcast weights, and the server compresses the averaged update the same way for the downlink:
+mentee <- broadcast + SVD_T(average of the uploads - broadcast). Each update tensor with >= 2 dims is seen
+as a matrix (out, in * k * k), M = U S V^T, and only the top-r singular triplets are kept, r the smallest
+rank whose energy sum_{i<=r} s_i^2 reaches T * ||M||_F^2; so ||M - M_r||_F^2 <= (1 - T) ||M||_F^2 and the
+link carries r (m + n + 1) numbers instead of m n (or the matrix itself where its factors would not be
+smaller; the client metric `upload_ratio` is the fraction sent, 1 under compression=none). Vectors
+(biases, BatchNorm) go as they are. The threshold moves linearly over the rounds,
+T(t) = T_start + (T_end - T_start) t / R; at the scripts' T_start = T_end = 0.95 it is 95 % every round.
+HtFLlib's (commented-out) decomposition differs: it decomposes the parameters themselves, not their
+update, and 4-D convolution weights per (out, in) pair of k x k kernels; `svd` follows the paper.
 
 Uploads  only the mentee, as an update() release (dp.level=client; dp.level=sample is refused, as for FML).
-         Under dp.level=client the host noises the whole update after this compression, so the noised
-         upload is dense again: the saving is on the non-private path only.
+         Under dp.level=client the host noises the whole update (after compression under `svd`, which
+         makes it dense again: the saving is on the non-private path only).
+Differences that remain: the code sends the mentee's parameters only (named_parameters), so BatchNorm
+running statistics stay with each client; here the whole state_dict goes (the same for mentees without
+BatchNorm, e.g. cnn_tiny).
 
-HtFLlib quirk (`htfllib_grads=true`): nothing is detached (w, the KL targets, the hidden term), so each
-model also descends the other's objective and W_h gets the hidden term twice; KL averages over classes.
+HtFLlib quirk (`htfllib_grads=true`, which the code behind the tables has too; the FedTSP table specs set
+it): nothing is detached (w, the KL targets, the hidden term), so each model also descends the other's
+objective and W_h gets the hidden term twice; KL averages over classes.
 """
 
 from __future__ import annotations
@@ -53,7 +59,8 @@ from raysim.privacy.mechanisms import update
 
 @dataclass
 class Options(SharedOptions):
-    mentee_lr: float = 0.01  # plain-SGD lr of the mentee (SPEC 2.9); 0 = the client lr
+    mentee_lr: float = 0.0  # plain-SGD lr of the mentee; 0 = the client lr (the code; SPEC 2.9's scripts pass 0.01, unread)
+    compression: str = "none"  # none: full mentee weights (the code) | svd: SVD-compressed updates at energy T (the paper)
     T_start: float = 0.95  # SVD energy threshold of the first round
     T_end: float = 0.95  # ... and of the last (linear in between)
     clip_grad: float = 10.0  # per-module gradient-norm clip (HtFLlib); 0 = off
@@ -67,6 +74,9 @@ class Options(SharedOptions):
             raise ConfigError("fedkd.T_start and fedkd.T_end are energy fractions: each must be in (0, 1] (1 = no compression)")
         if self.clip_grad < 0:
             raise ConfigError("fedkd.clip_grad must be >= 0 (0 = no clipping)")
+        if self.compression not in ("none", "svd"):
+            raise ConfigError(f"fedkd.compression must be none (the FedTSP code: full weights) or svd (the paper), "
+                              f"not {self.compression!r}")
 
 
 # ------------------------------------------------------------------------------------ SVD compression
@@ -182,10 +192,14 @@ class FedKD(SharedSmallModel):
             parts["loss"].append(float(out["mentor"].detach()))
             for k in ("ce", "kd", "hidden", "ce_mentee", "kd_mentee"):
                 parts[k].append(float(out[k].detach()))
-        delta, sent = compress_update(flatten_state(mentee.state_dict()) - base, self._shapes(env),
-                                      self.energy(int(shared["round"].item())))
+        trained = flatten_state(mentee.state_dict())
+        if self.opts.compression == "svd":
+            delta, sent = compress_update(trained - base, self._shapes(env), self.energy(int(shared["round"].item())))
+            trained = base + delta
+        else:
+            sent = base.numel()
         return LocalResult(
-            upload={"weights": base + delta},
+            upload={"weights": trained},
             private={**private, "model": snapshot(mentor), "W_h": snapshot(w_h)},
             num_samples=data.num_train,
             metrics={**mean_metrics(parts), "upload_ratio": sent / max(1, base.numel())},
@@ -194,5 +208,8 @@ class FedKD(SharedSmallModel):
     def aggregate(self, env, shared, uploads, rng):
         base = shared["weights"].float()
         t = int(shared["round"].item())
-        delta, _ = compress_update(self.average_shared(uploads) - base, self._shapes(env), self.energy(t))
-        return {"weights": base + delta, "round": torch.tensor([float(t + 1)])}
+        mean = self.average_shared(uploads)
+        if self.opts.compression == "svd":
+            delta, _ = compress_update(mean - base, self._shapes(env), self.energy(t))
+            mean = base + delta
+        return {"weights": mean, "round": torch.tensor([float(t + 1)])}

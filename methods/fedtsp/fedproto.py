@@ -11,11 +11,14 @@ Uploads  the class means are a prototype release (the host noises them under loc
 `protocol` (FedProto and FedTGP) says how a baseline is run:
   head     (default) class means of f_i(x) over the training set after training (eval mode); each client
            predicts with its own head h_i, as FedTSP and local do.
-  htfllib  as HtFLlib runs them for fedtsp.txt's tables: once global prototypes exist a client predicts
-           the class of the nearest global prototype (logits -MSE(f_i(x), P_g[c]); classes without one are
-           never predicted), and FedProto's class means are those of the features its training batches
-           produced (train mode, every epoch: clientproto.py), FedTGP's those of a pass after training
-           (clienttgp.py). HtFLlib's FedProto server averages uniformly: add proto_weighting=uniform.
+  fedtsp   as the code behind fedtsp.txt's tables (XinghaoWu/FedTSP_CVPR26, an HtFLlib fork) runs them:
+           HtFLlib's class means (below) and each client predicts with its own head, argmax h_i(f_i(x))
+           (the fork's nearest-prototype test is commented out). The FedTSP table specs set this.
+  htfllib  as upstream HtFLlib runs them: once global prototypes exist a client predicts the class of the
+           nearest global prototype (logits -MSE(f_i(x), P_g[c]); classes without one are never predicted).
+  Under fedtsp and htfllib FedProto's class means are those of the features its training batches produced
+  (train mode, every epoch: clientproto.py), FedTGP's those of a pass after training (clienttgp.py).
+  Both codes' FedProto servers average uniformly: add proto_weighting=uniform.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ from raysim.methods.families.prototype import (
 from raysim.methods.families.zoo import HeteroMethod, HtEnv, ZooOptions, snapshot, validate_common
 from raysim.privacy.mechanisms import prototype, public
 
+# the protocols that collect the class means as HtFLlib's clients do (the FedTSP fork keeps them)
+HTFLLIB_COLLECTION = ("fedtsp", "htfllib")
+
 
 @dataclass
 class Options(ZooOptions):
@@ -55,7 +61,7 @@ class FedProto(HeteroMethod):
     eval_ignores: ClassVar[tuple[str, ...]] = ("protos", "has")  # train-time
     Options: ClassVar[type[ZooOptions]] = Options  # subclasses (FedTGP) bring their own ZooOptions
     releases = {"protos": prototype(), "counts": public(COUNTS_NOTE)}
-    # protocol=htfllib: the class means are collected from the training batches (HtFLlib's clientproto);
+    # protocol=fedtsp|htfllib: the class means are collected from the training batches (HtFLlib's clientproto);
     # FedTGP's client collects them after training (clienttgp) and sets this False
     htfllib_collects_during_training: ClassVar[bool] = True
 
@@ -69,7 +75,7 @@ class FedProto(HeteroMethod):
         if bool(has.any()) and self.opts.lam > 0:
             def extra(feats, y):
                 return self.opts.lam * proto_mse(feats, y, protos, has)
-        during = self.opts.protocol == "htfllib" and self.htfllib_collects_during_training
+        during = self.opts.protocol in HTFLLIB_COLLECTION and self.htfllib_collects_during_training
         means = PerExampleMeans(data.num_train, env.feature_dim) if during else None
         hook = (lambda idx, feats, logits: means.add(idx, feats)) if means is not None else None
         loss = self.train_model(env, model, data, rng, extra, privacy, on_batch=hook)
@@ -95,7 +101,7 @@ class FedProto(HeteroMethod):
     def predictor(self, env: HtEnv, shared: dict[str, Tensor], private: dict[str, Any], data: Optional[ClientData] = None):
         has = self.prediction_classes(shared)
         if self.opts.protocol != "htfllib" or not bool(has.any()):
-            return super().predictor(env, shared, private, data)  # the client's own head
+            return super().predictor(env, shared, private, data)  # head / fedtsp: the client's own head
         model = self.model(env, private).eval()
         protos, has = shared["protos"].to(env.device), has.to(env.device)
         return lambda x: nearest_prototype_logits(model.features(x.to(env.device)), protos, has)

@@ -7,8 +7,10 @@ Server   Keeps a prototype generator G: class embedding (C x d) -> Linear(d, h) 
          `server_epochs` epochs of SGD over the uploaded (client, class) prototypes p with label y, in
          mini-batches of the run's batch size, of CE over classes c' of -(||p - G(c')|| + margin [c' = y]).
          G(c) for every class is broadcast as P_g.
-protocol=htfllib: clients predict by the nearest G(c) over every class (HtFLlib's clienttgp; its server
-exports G(c) for all classes once trained), the class means are taken after training as by default.
+protocol (see fedproto.py): head (default) and fedtsp (the code behind fedtsp.txt's tables) predict with
+the client's own head; htfllib (upstream HtFLlib's clienttgp) by the nearest G(c) over every class (its
+server exports G(c) for all classes once trained). Under every protocol the class means are taken after
+training (eval mode), as clienttgp.py does.
 """
 
 from __future__ import annotations

@@ -19,10 +19,18 @@ through the host's `embedding` mechanism (flattened, clipped to L2 radius C = `d
 std 2C sigma, accounted in the client's ledger). Nothing else about the text leaves the client: the server
 derives the class of each row (k = rows / C, class order) and each sequence's end-of-text position (the
 position whose noised embedding is nearest the public end token's embedding) by post-processing. The
-server env is built from the class *count* only: no class name, description or token id reaches it. Under
-local DP every client's class means are a `prototype` release too (dp.prototypes, per-example clip
-dp.proto_clip), so the run's epsilon covers everything each client uploads. Until the release arrives (the
-end of the first round the dp client takes part in) P^T does not exist and clients train with CE alone.
+server env is built from the class *count* only: no class name, description or token id reaches it. Until
+the release arrives (the end of the first round the dp client takes part in) P^T does not exist and
+clients train with CE alone. How the budget is spent (`dp_budget`):
+  split  (default) the embedding gets dp_share_embedding x dp.epsilon for its one release and every
+         client's class means (a `prototype` release, dp.prototypes, clip dp.proto_clip) get
+         dp_share_prototypes x dp.epsilon over their T releases, each calibrated on its own compositions
+         (neither pays for the other's); the ledger composes both, so the run's epsilon covers everything.
+  paper  as fedtsp.txt 3.5: only the embedding is noised, once, with Eq. 11's sigma = 2C sqrt(2 ln(1.25/
+         delta)) / epsilon; the class means are sent unnoised (public here), so the epsilon the ledger
+         records (the exact epsilon of that noise, analytic Gaussian mechanism) covers the descriptions only,
+         and its entry says so.
+  joint  (before #25) one multiplier calibrated jointly over the embedding and the T prototype releases.
 
 Uploads: `protos` (prototype release), `counts` (public: the per-class sample counts, which the paper's
 Eq. 6 weights use and the prototype mechanisms' replace-one-within-a-class relation keeps fixed),
@@ -44,9 +52,15 @@ from raysim.methods.base import ClientData, EnvSpec, LocalResult, Needs, ServerR
 from raysim.methods.families.prototype import COUNTS_NOTE, aggregate_prototypes, stack_uploads
 from raysim.methods.families.zoo import HeteroMethod, HtEnv, snapshot
 from raysim.models.zoo import FAMILIES
-from raysim.privacy.mechanisms import embedding, prototype, public
+from raysim.privacy.dpsgd import NoDP
+from raysim.privacy.mechanisms import BudgetShare, embedding, prototype, public
 
 DIRECTIONS = ("image_to_text", "text_to_image", "symmetric")
+DP_BUDGETS = ("split", "paper", "joint")
+PAPER_PROTOS_NOTE = ("fedtsp.dp_budget=paper: the class means are sent unnoised, as in fedtsp.txt 3.5 (only the description "
+                     "embedding is privatised); the run's epsilon covers the descriptions only")
+PAPER_SCOPE = ("covers the description embedding only (fedtsp.dp_budget=paper, fedtsp.txt Eq. 11): the class prototypes "
+               "are sent unnoised")
 
 
 @dataclass
@@ -73,6 +87,9 @@ class Options:
     dp_delta: float = 1e-5  # replaced by dp.delta (refused with that name unless left at its default)
     dp_clip: float = 2.5  # C, the L2 radius of the description-embedding release (private variant)
     dp_client: int = 0  # the client that embeds and releases the descriptions
+    dp_budget: str = "split"  # split | paper | joint: how the private variant spends dp.epsilon (module docstring)
+    dp_share_embedding: float = 0.5  # dp_budget=split: the description embedding's share of dp.epsilon
+    dp_share_prototypes: float = 0.5  # dp_budget=split: the class means' share of dp.epsilon (all T releases)
 
     def validate(self) -> None:
         checks = [
@@ -92,6 +109,11 @@ class Options:
              "(fedtsp.txt 3.5) is on whenever dp.epsilon < inf, and its release is accounted in the host's ledger"),
             (self.dp_clip > 0, "fedtsp.dp_clip must be > 0"),
             (self.dp_client >= 0, "fedtsp.dp_client must be >= 0"),
+            (self.dp_budget in DP_BUDGETS, f"fedtsp.dp_budget must be one of {', '.join(DP_BUDGETS)}, got {self.dp_budget!r}"),
+            (0 < self.dp_share_embedding <= 1 and 0 < self.dp_share_prototypes <= 1
+             and self.dp_share_embedding + self.dp_share_prototypes <= 1 + 1e-9,
+             "fedtsp.dp_share_embedding and fedtsp.dp_share_prototypes must each lie in (0, 1] and sum to at most 1 "
+             f"(shares of dp.epsilon), got {self.dp_share_embedding} and {self.dp_share_prototypes}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -140,9 +162,23 @@ class FedTSP(HeteroMethod):
     server_only = ("prompts", "text_release")
     server_metrics = ("loss",)
 
+    def __init__(self, train, options, dp=None) -> None:
+        super().__init__(train, options, dp)
+        if self.private and self.opts.dp_budget == "paper":  # per instance: the paper sends the class means clean
+            self.releases = {**type(self).releases, "protos": public(PAPER_PROTOS_NOTE)}  # type: ignore[misc]
+
     @property
     def private(self) -> bool:
         return self.dp.enabled
+
+    def budget_shares(self) -> Optional[dict[str, BudgetShare]]:
+        """dp_budget=split: the embedding and the class means each at their own share of dp.epsilon;
+        paper: the embedding alone, at Eq. 11's classical-Gaussian sigma for the whole dp.epsilon; joint: None."""
+        if self.opts.dp_budget == "paper":
+            return {"text_emb": BudgetShare(1.0, "classic_gaussian", note=PAPER_SCOPE)}
+        if self.opts.dp_budget == "split":
+            return {"text_emb": BudgetShare(self.opts.dp_share_embedding), "protos": BudgetShare(self.opts.dp_share_prototypes)}
+        return None
 
     def needs(self) -> Needs:
         return Needs(input="images", image_size=32, server_classnames=not self.private)
@@ -258,7 +294,9 @@ class FedTSP(HeteroMethod):
                 return self.opts.lam * F.cross_entropy(scale * F.normalize(feats, dim=-1) @ text.t(), y)
 
         loss = self.train_model(env, model, data, rng, extra, privacy)
-        upload = self.release_prototypes(env, model, data, privacy)
+        # dp_budget=paper declares the class means public: they are computed clean, as the paper sends them
+        clean_means = self.releases["protos"].kind == "public"
+        upload = self.release_prototypes(env, model, data, NoDP() if clean_means else privacy)
         private = {**private, "model": snapshot(model), "rounds": int(private.get("rounds", 0)) + 1}
         if self.private and data.client_id == self.opts.dp_client and "text_protos" not in shared:
             upload["text_emb"] = privacy.release("text_emb", lambda: self.embed_descriptions(env), clip=self.opts.dp_clip)

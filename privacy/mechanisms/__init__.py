@@ -32,6 +32,7 @@ from .base import (  # noqa: F401 (the package's names)
     KINDS,
     LEVELS,
     MECHANISMS,
+    BudgetShare,
     M,
     Mechanism,
     Planned,
@@ -72,7 +73,7 @@ from .public_release import Public  # noqa: E402
 from .vpp import VPP  # noqa: E402
 
 __all__ = [
-    "IGPP", "KINDS", "MECHANISMS", "VPP", "ClientUpdate", "DPFPLReference", "DPSGDMechanism", "EmbeddingRelease",
+    "IGPP", "KINDS", "BudgetShare", "MECHANISMS", "VPP", "ClientUpdate", "DPFPLReference", "DPSGDMechanism", "EmbeddingRelease",
     "Mechanism", "Planned", "Public", "ReleaseSpec", "Training", "check_method", "discover", "dpsgd", "embedding",
     "mechanism_table", "mechanisms", "prototype", "prototype_choices", "public", "reference", "register_mechanism",
     "resolve", "resolve_all", "update", "warnings_for",

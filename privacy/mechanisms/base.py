@@ -35,6 +35,30 @@ class ReleaseSpec:
             raise ValueError("a public upload needs a note saying why the paper treats it as public")
 
 
+CALIBRATIONS = ("accountant", "classic_gaussian")
+
+
+@dataclass(frozen=True)
+class BudgetShare:
+    """A method's own split of a client's budget (`Method.budget_shares`): the release it names gets
+    `share` x dp.epsilon (at the run's delta), calibrated on that release's compositions alone, so no
+    other release pays for them. `calibration`: "accountant" (the ledger's accountant and conversion,
+    as a joint calibration would) or "classic_gaussian" (one release: the classical Gaussian mechanism's
+    sigma = Delta sqrt(2 ln(1.25/delta)) / epsilon, fedtsp.txt Eq. 11; the ledger then records the exact
+    epsilon of that noise, the analytic Gaussian mechanism's, so what it prints is true). `note`: what
+    the resulting epsilon covers, when not everything the client sends (recorded with the release)."""
+
+    share: float
+    calibration: str = "accountant"
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.share <= 1.0:
+            raise ValueError(f"a budget share must lie in (0, 1], got {self.share}")
+        if self.calibration not in CALIBRATIONS:
+            raise ValueError(f"calibration must be one of {', '.join(CALIBRATIONS)}, got {self.calibration!r}")
+
+
 def dpsgd() -> ReleaseSpec:
     return ReleaseSpec("dpsgd")
 

@@ -17,6 +17,7 @@ import yaml
 from raysim.config.load import (
     RENAMED,
     _build_dataclass,
+    _coerce,
     deep_merge,
     expand_dotted_keys,
     load_config_file,
@@ -102,6 +103,7 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> R
                 f"unknown config key {key!r}.{extra} Valid keys: method and the sections {', '.join(SECTIONS)} "
                 f"(e.g. train.rounds=5); method sections: {', '.join(method_names())}."
             )
+    plain = _stored_clients(plain)
     cfg = _build_dataclass(RunConfig, plain)
     cfg.methods = {
         name: _build_dataclass(get_method(name).Options, sec, prefix=f"{name}.") for name, sec in sections.items()
@@ -110,6 +112,40 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> R
     # the run's own method section is always materialised so config.yaml lists every knob
     cfg.methods.setdefault(cfg.method.lower(), method_options(cfg))
     return cfg
+
+
+def _stored_clients(plain: dict[str, Any]) -> dict[str, Any]:
+    """data.dataset=pfllib runs on the clients its folder stores: data.partition=stored and train.num_clients
+    are taken from the folder's config.json (a conflicting value the user set is refused), data.shots is 0
+    (every stored sample), and the config.json is recorded as data.folder_config."""
+    if not isinstance(plain.get("data") or {}, Mapping) or not isinstance(plain.get("train") or {}, Mapping):
+        return plain  # not sections: _build_dataclass says so
+    data = dict(plain.get("data") or {})
+    if str(data.get("dataset", "")).lower() != "pfllib":
+        _check(not data.get("folder_config"), "data.folder_config is recorded from a data.dataset=pfllib folder; do not set it")
+        return plain
+    from raysim.data.pfllib_folder import read_config
+
+    root = str(data.get("data_root", DataConfig.data_root))
+    folder = read_config(root)
+    train = dict(plain.get("train") or {})
+    K = int(folder["num_clients"])
+    if "num_clients" in train and _coerce(train["num_clients"], int, "train.num_clients") != K:
+        raise ConfigError(f"train.num_clients={train['num_clients']} conflicts with the {K} clients of the PFLlib folder "
+                          f"{root} (its config.json): data.dataset=pfllib runs on the stored clients; drop train.num_clients "
+                          f"or set it to {K}")
+    if data.get("partition", "stored") != "stored":
+        raise ConfigError(f"data.partition={data['partition']} would re-split the clients of the PFLlib folder {root}; "
+                          "data.dataset=pfllib runs on its stored clients (data.partition=stored): drop data.partition")
+    if _coerce(data.get("shots", 0) or 0, int, "data.shots") != 0:
+        raise ConfigError(f"data.shots={data['shots']} would drop samples of the stored clients of {root}; data.dataset=pfllib "
+                          "keeps every stored sample: set data.shots=0 or drop it")
+    if data.get("folder_config") not in (None, {}, folder):
+        raise ConfigError(f"data.folder_config differs from {root}/config.json: the folder changed since this config was "
+                          "written (its clients may differ); start a new run")
+    train["num_clients"] = K
+    data.update(partition="stored", shots=0, folder_config=folder)
+    return {**plain, "data": data, "train": train}
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -156,6 +192,8 @@ def _validate_data(d: DataConfig) -> None:
     _check(d.beta > 0 and math.isfinite(d.beta), f"data.beta must be a positive number, got {d.beta}")
     _check(d.shots >= 0, f"data.shots must be >= 0 (0 = use all training images), got {d.shots}")
     _check(d.min_samples >= 0, f"data.min_samples must be >= 0 (0 = the partition's default), got {d.min_samples}")
+    _check((d.partition == "stored") == (d.dataset == "pfllib"),
+           "data.partition=stored (the clients a folder stores) goes with data.dataset=pfllib, and only with it")
     _check(d.partition != "pfllib" or d.shots == 0,
            f"data.partition=pfllib is PFLlib's protocol, which keeps every sample of each client; set data.shots=0 (got {d.shots})")
 
@@ -242,13 +280,16 @@ def _validate_execution(x: ExecutionConfig, t: TrainConfig) -> None:
 
 
 def _validate_dp(dp: DPConfig) -> None:
-    from raysim.privacy.accountant import ACCOUNTANTS
+    from raysim.privacy.accountant import ACCOUNTANTS, CONVERSIONS
     from raysim.privacy.mechanisms import MECHANISMS
 
     _check(dp.epsilon > 0, f"dp.epsilon must be > 0 (inf turns DP off), got {dp.epsilon}")
     _check(0 < dp.delta < 1, f"dp.delta must be in (0, 1), got {dp.delta}")
     _check(dp.clip > 0, f"dp.clip must be > 0, got {dp.clip}")
     _check(dp.accountant in ACCOUNTANTS, f"dp.accountant must be one of {', '.join(ACCOUNTANTS)}, got {dp.accountant!r}")
+    _check(dp.conversion in CONVERSIONS, f"dp.conversion must be one of {', '.join(CONVERSIONS)}, got {dp.conversion!r}")
+    _check(dp.conversion == "tight" or dp.accountant == "rdp",
+           "dp.conversion=classic converts an RDP curve to epsilon; it needs dp.accountant=rdp")
     _check(dp.microbatch >= 0, f"dp.microbatch must be >= 1, or 0 = sized from the graph's memory, got {dp.microbatch}")
     _check(dp.calibration in ("participated", "all_rounds"), "dp.calibration must be participated or all_rounds")
     _check(dp.level in ("sample", "client"), f"dp.level must be sample or client, got {dp.level!r}")

@@ -58,6 +58,9 @@ class DPConfig:
     delta: float = 1e-5
     clip: float = 1.0  # per-example L2 clipping norm R_c of DP-SGD
     accountant: str = "rdp"  # rdp | prv (Opacus accountants)
+    # RDP -> epsilon (dp.accountant=rdp): "tight" = Opacus' conversion; "classic" = rdp + ln(1/delta)/(alpha-1)
+    # at the VPDR code's orders (SPEC 3.2 item 8; looser, so more noise at the same epsilon). Both are valid.
+    conversion: str = "tight"
     microbatch: int = 8  # per-example gradients are computed this many at a time (memory bound); 0 = sized from memory
     # Steps used to calibrate sigma: "participated" = the rounds a client really takes part in
     # (fedsept.txt appendix B.2); "all_rounds" = every round, as the official code does (conservative).
@@ -91,6 +94,8 @@ class DataConfig:
     # redraw the Dirichlet split until every client has this many samples; 0 = the partition's default:
     # dirichlet 10 train and 10 test samples, pfllib 40 samples in all (PFLlib's least_samples)
     min_samples: int = 0
+    # data.dataset=pfllib: the folder's config.json, recorded here when the config is built (not set by hand)
+    folder_config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -104,12 +104,23 @@ def check_feasible(kind: str, spec: PartitionSpec) -> None:
         )
 
 
+# Partitions whose per-client index order is part of the protocol, kept as drawn (every other partition's
+# indices are sorted). pfllib: PFLlib writes each client's train / test rows in the order its procedure
+# leaves them (class by class, each class shuffled, then train_test_split's shuffle) and its loaders read
+# them unshuffled (DataLoader(shuffle=False)), so sorting would give class-clustered batches on a
+# class-sorted dataset (Tiny-ImageNet) where PFLlib's are mixed.
+KEEPS_ORDER = frozenset({"pfllib"})
+
+
 def partition(kind: str, spec: PartitionSpec) -> list[ClientSplit]:
     check_feasible(kind, spec)
     splits = PARTITIONERS.get(kind)(spec)
     if spec.shots > 0:
         splits = few_shot(splits, pooled_labels(spec) if is_pooled(kind) else spec.train_labels, spec.shots, spec.seed)
-    out = [ClientSplit(np.sort(s.train).astype(np.int64), np.sort(s.test).astype(np.int64)) for s in splits]
+    if str(kind).lower() in KEEPS_ORDER:  # the partition's own per-client order is the data order its loaders see
+        out = [ClientSplit(np.asarray(s.train, np.int64), np.asarray(s.test, np.int64)) for s in splits]
+    else:  # the others give sets: each client's rows in the dataset's order
+        out = [ClientSplit(np.sort(s.train).astype(np.int64), np.sort(s.test).astype(np.int64)) for s in splits]
     no_train = sum(1 for s in out if len(s.train) == 0)
     no_test = sum(1 for s in out if len(s.test) == 0)
     if no_train or no_test:
@@ -328,14 +339,17 @@ def pfllib_dirichlet(labels: np.ndarray, num_clients: int, beta: float, least: i
 def pfllib(spec: PartitionSpec) -> list[ClientSplit]:
     """PFLlib's data protocol (SPEC 2.6, used by fedtsp.txt): merge the official train and test sets, split
     the pool over the clients with `pfllib_dirichlet` (alpha = data.beta, at least `pfllib_min_samples`
-    per client), then split each client's samples, shuffled, into floor(0.75 n) train and the rest test
-    (sklearn's train_test_split(train_size=0.75), as PFLlib). The same procedure as PFLlib, not PFLlib's
-    random draws (it seeds numpy's global generator; here the stream is the run's seed)."""
+    per client), then split each client's samples as sklearn's train_test_split(train_size=0.75,
+    shuffle=True) does for PFLlib's split_data: a permutation p of the client's n rows, test = p[:n - t],
+    train = p[n - t:], t = floor(0.75 n), both in that order. The per-client order is kept (KEEPS_ORDER):
+    it is the order PFLlib's files hold and its unshuffled loaders read. The same procedure as PFLlib, not
+    PFLlib's random draws (it seeds numpy's global generator; here the stream is the run's seed)."""
     labels = pooled_labels(spec)
     rng = np.random.default_rng([spec.seed, 5])
     out = []
     for idx in pfllib_dirichlet(labels, spec.num_clients, spec.beta, pfllib_min_samples(spec), rng):
-        idx = rng.permutation(idx)
         n_train = int(np.floor(PFLLIB_TRAIN_SHARE * len(idx)))
-        out.append(ClientSplit(idx[:n_train], idx[n_train:]))
+        perm = rng.permutation(len(idx))
+        n_test = len(idx) - n_train
+        out.append(ClientSplit(idx[perm[n_test:]], idx[perm[:n_test]]))
     return out

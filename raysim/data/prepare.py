@@ -48,7 +48,22 @@ def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationDat
         train_domains=bundle.train.domains,
         test_domains=bundle.test.domains,
     )
-    splits = partition(cfg.data.partition, pspec)
+    if cfg.data.partition == "stored":  # the clients a dataset folder stores (data.dataset=pfllib), as stored
+        from raysim.data.partition import few_shot
+        from raysim.data.pfllib_folder import stored_splits
+
+        if needs.input != "images":
+            raise ConfigError(
+                f"data.dataset={cfg.data.dataset} gives its images as stored ({bundle.meta.get('sample_shape')}, the "
+                f"folder's normalisation), so it suits methods that train their own image models (the zoo methods), not "
+                f"{cfg.method}, which encodes images with {cfg.model.name}"
+            )
+        check_stored_input(cfg, needs, tuple(bundle.meta.get("sample_shape", ())))
+        splits = stored_splits(bundle)
+        if cfg.data.shots > 0:
+            splits = few_shot(splits, bundle.train.labels, cfg.data.shots, cfg.train.seed)
+    else:
+        splits = partition(cfg.data.partition, pspec)
     ttr = tte = None
     if needs.input == "features":
         tokens = needs.tokens
@@ -89,6 +104,33 @@ def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationDat
         tok_test=tok_test,
         client_domains=client_domains(bundle, splits),
     )
+
+
+def check_stored_input(cfg: RunConfig, needs: Any, shape: tuple[int, ...]) -> None:
+    """Images used as stored (data.dataset=pfllib) must fit the method's zoo models: one channel at 28x28 for
+    fedavgcnn_1x28, three channels for the others, and the FedAvgCNNs' own size (their flatten width is fixed)."""
+    from raysim.models.zoo import family
+
+    opts: Any = cfg.methods.get(cfg.method.lower())
+    if opts is None:  # build_config always materialises the run's method section
+        return
+    if getattr(opts, "model_family", ""):  # a family of client models (fedpcl's `model` is then unused)
+        archs = list(family(opts.model_family))
+    else:  # one model for every client (the homogeneous methods)
+        archs = [opts.model.lower()] if getattr(opts, "model", "") else []
+    shared = str(getattr(opts, "shared_model", "")).lower()
+    if shared and shared != "first":
+        archs.append(shared)
+    side = int(needs.image_size or 32)
+    for arch in dict.fromkeys(archs):
+        want = {"fedavgcnn_1x28": (1, 28, 28), "fedavgcnn": (3, side, side), "cnn_tiny": (3, side, side)}.get(arch)
+        bad = shape != want if want else (len(shape) != 3 or shape[0] != 3)
+        if bad:
+            raise ConfigError(
+                f"data.dataset=pfllib uses the folder's images as stored, {shape}; {cfg.method}'s {arch} takes "
+                f"{want or '3-channel images'}: pick a family that takes them (FedAvgCNN-1x28 for 1x28x28, an HtFE-img "
+                "family for 3x32x32), or export the data at that shape (raysim export-pfllib)"
+            )
 
 
 def client_domains(bundle: Any, splits: list[Any]) -> Optional[list[str]]:

@@ -277,6 +277,18 @@ def _one_round(
     return row, client_rows
 
 
+def privacy_scope(cfg: RunConfig) -> str:
+    """A summary line saying what the printed epsilon covers when the method's budget says it is not every
+    upload (e.g. fedtsp.dp_budget=paper: the description embedding only); empty otherwise."""
+    if not cfg.dp.enabled:
+        return ""
+    from raysim.config.checks import make_method
+
+    shares = make_method(cfg).budget_shares() or {}
+    notes = list(dict.fromkeys(s.note for s in shares.values() if s.note))
+    return "".join(f"Privacy: the epsilon {n}.\n" for n in notes)
+
+
 def _finish(cfg: RunConfig, out_dir: Path, logger: RunLogger, hparams: dict[str, Any], rows: list[dict[str, Any]],
             info: dict[str, Any]) -> RunResult:
     from raysim.engine.evaluation import PROTOCOLS
@@ -290,5 +302,6 @@ def _finish(cfg: RunConfig, out_dir: Path, logger: RunLogger, hparams: dict[str,
                f"train.seed={cfg.train.seed}), each scored among the sampled clients" if evaluated < cfg.train.num_clients
                else f"all {evaluated} clients")
     text = protocol.markdown(cfg.method, summary, title=title) + f"Evaluated per evaluated round: {sampled}.\n"
+    text += privacy_scope(cfg)
     (out_dir / "summary.md").write_text(text)
     return RunResult(out_dir, summary, rows, {**info, "eval_clients": evaluated})

@@ -30,6 +30,8 @@ RESNET_LAYERS: dict[int, tuple[str, tuple[int, ...]]] = {
     152: ("bottleneck", (3, 8, 36, 3)),
 }
 
+TV_RESNETS = tuple(f"tv_resnet{n}" for n in (18, 34, 50, 101, 152))  # torchvision's own ResNet classes
+
 FAMILIES: dict[str, tuple[str, ...]] = {
     "HtFE2": ("fedavgcnn", "resnet18"),
     "HtFE3": ("resnet10", "resnet18", "resnet34"),
@@ -37,20 +39,32 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "HtFE9": tuple(f"resnet{n}" for n in (4, 6, 8, 10, 18, 34, 50, 101, 152)),
     # not in the paper: two small, different architectures for tests and quick benchmarks
     "tiny": ("cnn_tiny", "resnet4"),
+    # HtFLlib's families by its own names (system/main.py args.models): the torchvision ResNets, GoogLeNet and
+    # HtFLlib's MobileNetV2 (Dropout(0.2) kept before the replaced fc) as HtFLlib builds them, FedAvgCNN at its
+    # 32x32 flatten width 1600; resnet4..10 are HtFLlib's own small ResNets (the ResNetN above)
+    "HtFE-img-2": ("fedavgcnn", "tv_resnet18"),
+    "HtFE-img-3": ("resnet10", "tv_resnet18", "tv_resnet34"),
+    "HtFE-img-4": ("fedavgcnn", "googlenet", "htfllib_mobilenet_v2", "tv_resnet18"),
+    "HtFE-img-5": ("googlenet", "htfllib_mobilenet_v2", "tv_resnet18", "tv_resnet34", "tv_resnet50"),
+    "HtFE-img-8": ("fedavgcnn", "googlenet", "htfllib_mobilenet_v2", *(f"tv_resnet{n}" for n in (18, 34, 50, 101, 152))),
+    "HtFE-img-9": (*(f"resnet{n}" for n in (4, 6, 8, 10)), *(f"tv_resnet{n}" for n in (18, 34, 50, 101, 152))),
+    # PFLlib's / HtFLlib's model for one-channel 28x28 images (MNIST, FMNIST): FedAvgCNN(in_features=1, dim=1024)
+    "FedAvgCNN-1x28": ("fedavgcnn_1x28",),
 }
 
 
 class FedAvgCNN(nn.Module):
-    """conv5x5(3->c1), ReLU, maxpool2; conv5x5(c1->c2), ReLU, maxpool2; flatten; Linear(->hidden), ReLU.
-    With the defaults (32, 64, 512) the flatten width is 1600 at 32x32 and 10816 at 64x64."""
+    """conv5x5(in->c1), ReLU, maxpool2; conv5x5(c1->c2), ReLU, maxpool2; flatten; Linear(->hidden), ReLU.
+    With the defaults (32, 64, 512) the flatten width is 1600 at 32x32, 10816 at 64x64 and 1024 at 28x28
+    (one channel: PFLlib's MNIST model)."""
 
-    def __init__(self, image_size: int = 32, widths: tuple[int, int] = (32, 64), hidden: int = 512) -> None:
+    def __init__(self, image_size: int = 32, widths: tuple[int, int] = (32, 64), hidden: int = 512, in_channels: int = 3) -> None:
         super().__init__()
         s = ((image_size - 4) // 2 - 4) // 2
         if s < 1:
             raise ConfigError(f"FedAvgCNN needs images of at least 16x16, got {image_size}")
         self.conv = nn.Sequential(
-            nn.Conv2d(3, widths[0], 5), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+            nn.Conv2d(in_channels, widths[0], 5), nn.ReLU(inplace=True), nn.MaxPool2d(2),
             nn.Conv2d(widths[0], widths[1], 5), nn.ReLU(inplace=True), nn.MaxPool2d(2),
             nn.Flatten(),
         )
@@ -118,6 +132,16 @@ class _Torchvision(nn.Module):
             net = tvm.mobilenet_v2(weights=None)
             self.out_dim = net.classifier[-1].in_features
             net.classifier = nn.Identity()
+        elif name == "htfllib_mobilenet_v2":
+            # HtFLlib's MobileNetV2 (flcore/trainmodel/mobilenet_v2.py) is torchvision's layout with the classifier
+            # split into .dropout and .fc; BaseHeadSplit replaces .fc only, so its base ends in Dropout(0.2)
+            net = tvm.mobilenet_v2(weights=None)
+            self.out_dim = net.classifier[-1].in_features
+            net.classifier = net.classifier[0]
+        elif name.startswith("tv_resnet") and name[9:] in ("18", "34", "50", "101", "152"):
+            net = getattr(tvm, name[3:])(weights=None)  # torchvision.models.resnetN(pretrained=False), as HtFLlib
+            self.out_dim = net.fc.in_features
+            net.fc = nn.Identity()
         else:  # pragma: no cover - guarded by build_extractor
             raise ConfigError(name)
         self.net = net
@@ -131,16 +155,18 @@ def build_extractor(name: str, image_size: int = 32) -> nn.Module:
     name = name.lower()
     if name == "fedavgcnn":
         return FedAvgCNN(image_size)
+    if name == "fedavgcnn_1x28":
+        return FedAvgCNN(28, in_channels=1)  # its input size is fixed: one channel at 28x28
     if name == "cnn_tiny":
         return FedAvgCNN(image_size, widths=(8, 16), hidden=64)
     if name.startswith("resnet") and name[6:].isdigit() and int(name[6:]) in RESNET_LAYERS:
         block, layers = RESNET_LAYERS[int(name[6:])]
         return ResNetN(block, layers)
-    if name in ("googlenet", "mobilenet_v2"):
+    if name in ("googlenet", "mobilenet_v2", "htfllib_mobilenet_v2") or name in TV_RESNETS:
         return _Torchvision(name)
     raise ConfigError(
-        f"unknown client model {name!r}; known: fedavgcnn, cnn_tiny, googlenet, mobilenet_v2, "
-        + ", ".join(f"resnet{n}" for n in RESNET_LAYERS)
+        f"unknown client model {name!r}; known: fedavgcnn, fedavgcnn_1x28, cnn_tiny, googlenet, mobilenet_v2, "
+        "htfllib_mobilenet_v2, " + ", ".join([*(f"resnet{n}" for n in RESNET_LAYERS), *TV_RESNETS])
     )
 
 

@@ -17,6 +17,7 @@ commands:
                                        compare folder): ledgers, then the attacks that apply
   privacy noise|epsilon ...            noise multiplier for a budget, or the budget of a noise level
   pretrain [--out DIR] ...             pretrain the small offline CLIP on generated image-caption data
+  export-pfllib OUT [key=value ...]    write a raysim split as a PFLlib / HtFLlib dataset folder
 """
 
 
@@ -53,6 +54,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from raysim.tools.pretrain import main as pretrain_main
 
         return pretrain_main(rest)
+    if cmd == "export-pfllib":
+        from raysim.tools.export_pfllib import main as export_main
+
+        return export_main(rest)
     print(f"error: unknown command {cmd!r}\n{USAGE}", file=sys.stderr)
     return 2
 

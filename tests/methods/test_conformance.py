@@ -28,7 +28,7 @@ FAST = {
     "fml": {"model_family": "tiny"},
     "fedkd": {"model_family": "tiny"},
     "fedmrl": {"model_family": "tiny"},
-    "alignfed": {"model_family": "tiny"},
+    "alignfed": {"model_family": "tiny", "anchor_iters": 200},
     "lgfedavg": {"model_family": "tiny"},
     "fedgen": {"model_family": "tiny", "server_epochs": 2, "hidden_dim": 32},
     "fedgh": {"model_family": "tiny", "server_epochs": 2},

@@ -161,7 +161,8 @@ def test_zoo_families_give_common_features_at_32px():
     from raysim.models.zoo import FAMILIES, arch_of, make_client_model
 
     assert arch_of("HtFE4", 5) == "googlenet" and arch_of("HtFE9", 10) == "resnet6"
-    archs = sorted({a for fam in FAMILIES.values() for a in fam} - {"resnet101", "resnet152"})
+    archs = sorted({a for fam in FAMILIES.values() for a in fam}
+                   - {"resnet101", "resnet152", "tv_resnet101", "tv_resnet152", "fedavgcnn_1x28"})  # 1x28: 1 channel
     for arch in archs:  # (resnet101/152 only add Bottleneck blocks, covered by resnet50)
         m = make_client_model(arch, 48, 7, seed=0).eval()
         f, logits = m(torch.randn(2, 3, 32, 32))
@@ -193,7 +194,7 @@ def test_private_release_path_server_never_sees_class_names():
 
     names = ["zero", "one", "two"]
     dp = DPConfig(epsilon=2.0)
-    opts = Options(plm="bert", model_family="tiny", len_prompt=2)
+    opts = Options(plm="bert", model_family="tiny", len_prompt=2, dp_budget="joint")  # one multiplier for all (before #25)
     opts.validate()
     method = FedTSP(TrainConfig(batch_size=8, num_clients=2), opts, dp)
     assert method.needs().server_classnames is False
@@ -267,7 +268,10 @@ def test_private_variant_end_to_end_shows_its_epsilon(tmp_path):
     res = run(cfg)
     rows = list(csv.DictReader(open(res.out_dir / "results.csv")))
     eps = [float(r["epsilon_max"]) for r in rows]
-    assert 0 < eps[0] < eps[1] <= 2.0 * (1 + 1e-6) and eps[1] > 0.95 * 2.0
+    # dp_budget=split (default): the embedding (1 release at 0.5 x 2) and the class means (2 releases at 0.5 x 2)
+    # are calibrated apart; the ledger composes both by RDP, which lands below the sum of the shares (1.45
+    # measured) but above either share alone (each spends 1.0 at the end of the run)
+    assert 0 < eps[0] < eps[1] <= 2.0 * (1 + 1e-6) and eps[1] > 1.0 * (1 + 1e-3)
     store = StateStore(res.out_dir)
     seen = store.load_uploads(0)["uploads"]
     assert set(seen[0]) == {"protos", "counts", "text_emb"} and all(set(seen[c]) == {"protos", "counts"} for c in (1, 2))

@@ -41,7 +41,8 @@ def _method(name, train=None, dp=None, **opts):
 def test_zoo_heads_have_one_shape_so_they_can_be_averaged():
     from raysim.models.zoo import FAMILIES, make_client_model
 
-    archs = sorted({a for fam in FAMILIES.values() for a in fam} - {"resnet101", "resnet152"})
+    archs = sorted({a for fam in FAMILIES.values() for a in fam}
+                   - {"resnet101", "resnet152", "tv_resnet101", "tv_resnet152", "fedavgcnn_1x28"})  # 1x28: 1 channel
     shapes = {tuple(make_client_model(a, 16, 5).head.weight.shape) for a in archs}
     assert shapes == {(5, 16)}  # every extractor ends in the same Linear(d, C)
 
@@ -178,35 +179,79 @@ def test_per_example_means_give_the_class_means_of_all_collected_rows():
     assert up["counts"].tolist() == [2.0, 2.0, 0.0]
 
 
-def test_feddistill_per_class_logit_average_client_and_server():
-    from raysim.methods.families.prototype import proto_mse
+def test_feddistill_soft_target_ce_worked_example():
+    """The code behind the tables: CE(z, softmax(Z_g[y])) over the batch; a row without global logits takes
+    softmax(z) (detached) as its target: its entropy enters the value, nothing enters the gradient."""
+    from raysim.methods.fedtsp.feddistill import distill_loss, soft_target_ce
 
-    m = _method("feddistill")
+    z = torch.tensor([[1.0, 0.0], [0.0, 0.0]], requires_grad=True)
+    y = torch.tensor([0, 1])
+    zg = torch.tensor([[math.log(3.0), 0.0], [5.0, -5.0]])  # softmax(Z_g[0]) = (3/4, 1/4); class 1 has none
+    has = torch.tensor([True, False])
+    # row 0: -(3/4)(1 - log(1 + e)) - (1/4)(-log(1 + e)) = log(1 + e) - 3/4; row 1: entropy of (1/2, 1/2) = log 2
+    want = (math.log(1 + math.e) - 0.75 + math.log(2)) / 2
+    loss = soft_target_ce(z, y, zg, has)
+    assert loss.item() == pytest.approx(want, abs=1e-6)  # float32 logs
+    (grad,) = torch.autograd.grad(loss, z)
+    p0 = torch.tensor([math.e / (1 + math.e), 1 / (1 + math.e)])
+    assert torch.allclose(grad[0], (p0 - torch.tensor([0.75, 0.25])) / 2, atol=1e-6)  # (softmax - target) / B
+    assert torch.allclose(grad[1], torch.zeros(2), atol=1e-7)  # its own softmax as target: no pull
+    assert distill_loss(z, y, zg, has).item() == pytest.approx(want, abs=1e-6)  # the default form
+    # distill=mse (upstream HtFLlib): mean over batch x classes of (z - Z_g[y])^2, row 1 compared with itself
+    mse = ((1 - math.log(3.0)) ** 2 + 0.0) / 4
+    assert distill_loss(z, y, zg, has, "mse").item() == pytest.approx(mse, abs=1e-6)
+
+
+def _feddistill_round(**opts):
+    """Server aggregation of two hand-made uploads, then one client round at lr 0 (the model stays fixed,
+    cnn_tiny has no BatchNorm: the logits collected in training are the model's eval logits)."""
+    m = _method("feddistill", **opts)
     env = _env(m)
-    # server: plain mean over the holders of each class (HtFLlib's logit_aggregation), holders only
     ups = [Upload(0, {"logits": torch.tensor([[2.0, 0.0, 0.0], [0.0, 4.0, 0.0], [0.0, 0.0, 0.0]]),
                       "counts": torch.tensor([1.0, 9.0, 0.0])}, 10),
            Upload(1, {"logits": torch.tensor([[4.0, 2.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]),
                       "counts": torch.tensor([3.0, 0.0, 0.0])}, 3)]
     st = m.aggregate(env, m.init_shared(env, torch.Generator()), ups, torch.Generator())
-    assert torch.allclose(st["logits"][0], torch.tensor([3.0, 1.0, 0.0]))  # unweighted: counts 1 and 3 do not matter
-    assert torch.allclose(st["logits"][1], torch.tensor([0.0, 4.0, 0.0])) and st["has"].tolist() == [1.0, 1.0, 0.0]
-    # client: lr 0 keeps the model fixed and cnn_tiny has no BatchNorm, so the logits collected during the
-    # epoch are the model's logits; their class means are the upload (12 = 3 batches of 4: all visited)
-    still = _method("feddistill", TrainConfig(batch_size=4, local_epochs=2, lr=0.0))
+    still = _method("feddistill", TrainConfig(batch_size=4, local_epochs=2, lr=0.0), **opts)
     data = _data()
     private = still.init_private(env, data, torch.Generator().manual_seed(0))
     r = still.local_train(env, st, private, data, rng=torch.Generator(), privacy=NoDP())
     model = still.model(env, private).eval()
     with torch.no_grad():
         logits = model(data.x_train)[1]
+    return st, r, data, logits
+
+
+def test_feddistill_per_class_logit_average_client_and_server():
+    st, r, data, logits = _feddistill_round()
+    # server: plain mean over the holders of each class (HtFLlib's logit_aggregation), holders only
+    assert torch.allclose(st["logits"][0], torch.tensor([3.0, 1.0, 0.0]))  # unweighted: counts 1 and 3 do not matter
+    assert torch.allclose(st["logits"][1], torch.tensor([0.0, 4.0, 0.0])) and st["has"].tolist() == [1.0, 1.0, 0.0]
+    # client: the class means of the logits collected during the epochs are the upload (12 = 3 batches of 4)
     want = torch.stack([logits[data.y_train == c].mean(0) for c in range(C)])
     assert torch.allclose(r.upload["logits"], want, atol=1e-5)  # float32 sums in another order
     assert r.upload["counts"].tolist() == [4.0, 4.0, 4.0]
-    # the regulariser is lam * MSE(logits, Z_g[y]) over the classes with global logits (class 2 has none)
+    # the regulariser (the default, the code's): lam (1) x CE(z, softmax(Z_g[y])), class 2 without global
+    # logits taking its own softmax; every batch holds the same model, so the batch mean is the set mean
+    from raysim.methods.fedtsp.feddistill import soft_target_ce
+
     has = st["has"] > 0.5
-    mse = float(proto_mse(logits, data.y_train, st["logits"], has))
-    assert r.metrics["mse"] == pytest.approx(mse, rel=1e-4) and r.metrics["loss"] == pytest.approx(r.metrics["ce"] + mse, rel=1e-4)
+    ce = float(soft_target_ce(logits, data.y_train, st["logits"], has))
+    assert r.metrics["distill"] == pytest.approx(ce, rel=1e-4)  # float32, batch means vs the set mean
+    assert r.metrics["loss"] == pytest.approx(r.metrics["ce"] + ce, rel=1e-4)
+
+
+def test_feddistill_mse_option_is_lam_times_the_mse_to_the_global_logits():
+    from raysim.methods.families.prototype import proto_mse
+
+    st, r, data, logits = _feddistill_round(distill="mse", lam=2.0)
+    has = st["has"] > 0.5
+    mse = 2.0 * float(proto_mse(logits, data.y_train, st["logits"], has))  # lam x MSE over the classes with logits
+    assert r.metrics["distill"] == pytest.approx(mse, rel=1e-4) and r.metrics["loss"] == pytest.approx(r.metrics["ce"] + mse, rel=1e-4)
+    from raysim.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="feddistill.distill"):
+        _method("feddistill", distill="kl")
 
 
 # ---------------------------------------------------------------------- FedProto / FedTGP: htfllib
@@ -330,25 +375,11 @@ def test_end_to_end_on_ray(tmp_path, ray_session, name, section):
     """2 rounds, 3 clients, the tiny zoo on digits (Dirichlet 0.5) on the Ray backend: every client is
     evaluated each round, the server saw exactly the declared uploads, and the clients' own-split accuracy
     is above chance (10 classes)."""
-    import csv
+    from zoo_runs import ray_zoo_run
 
-    from raysim.config.checks import build_config
-    from raysim.engine.loop import run
     from raysim.storage.store import StateStore
 
-    cfg = build_config({
-        "method": name,
-        "data": {"dataset": "digits", "partition": "dirichlet", "beta": 0.5, "shots": 0},
-        "model": {"name": "raysim-tiny", "pretrained": ""},
-        "train": {"num_clients": 3, "rounds": 2, "batch_size": 32},
-        "eval": {"every": 1},
-        "execution": {"backend": "ray", "num_actors": 1},
-        "output": {"out_dir": str(tmp_path / name), "progress": False, "tensorboard": False, "cache_dir": str(tmp_path / "c"),
-                   "record_uploads": True},
-        name: {"model_family": "tiny", "feature_dim": 64, **section},
-    })
-    res = run(cfg)
-    rows = list(csv.DictReader(open(res.out_dir / "client_results.csv")))
+    res, rows = ray_zoo_run(tmp_path, name, {"model_family": "tiny", "feature_dim": 64, **section}, out=name, num_actors=1)
     assert len(rows) == 2 * 3 and {r["round"] for r in rows} == {"0", "1"}
     keys = EXPECTED[name][0]
     store = StateStore(res.out_dir)

@@ -22,6 +22,8 @@ from raysim.privacy.host import HostPrivacy  # noqa: E402
 C = 3
 SPEC = EnvSpec(model=ModelSpec("raysim-tiny", ""), classnames=["zero", "one", "two"], dataset="digits")
 NAMES = ("fml", "fedkd", "fedmrl", "alignfed")
+# speed only: AlignFed's uniformity anchors take 100000 SGD steps by default (the code's); a few hundred here
+SPEED = {"alignfed": {"anchor_iters": 300}}
 
 
 def _data(cid: int, n: int = 24, seed: int = 0) -> ClientData:
@@ -35,7 +37,8 @@ def _method(name: str, rounds: int = 4, **opts):
     from raysim.methods import get_method
 
     cls = get_method(name)
-    o = cls.Options(**{"model_family": "tiny", "feature_dim": 16, **({"sub_dim": 8} if name == "fedmrl" else {}), **opts})
+    o = cls.Options(**{"model_family": "tiny", "feature_dim": 16, **({"sub_dim": 8} if name == "fedmrl" else {}), **SPEED.get(name, {}),
+                       **opts})
     o.validate()
     return cls(TrainConfig(local_epochs=1, batch_size=8, seed=1, num_clients=2, rounds=rounds), o)
 
@@ -76,21 +79,45 @@ def test_alignfed_anchors_are_on_the_sphere_equidistant_and_seeded():
         simplex_etf(10, 8, torch.Generator())
 
 
-def test_alignfed_alignment_loss_and_lambda_schedule():
-    from raysim.methods.fedtsp.alignfed import align_loss
+def test_alignfed_centre_contrastive_loss_worked_example():
+    """The code's Contrastive_Loss_Center at tau 1: per centre a softmax over the batch, averaged over the
+    centre's own samples, then over all centres (an absent class adds 0 but counts)."""
+    from raysim.methods.fedtsp.alignfed import align_loss, center_contrastive_loss
 
     anchors = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
-    feats = torch.tensor([[2.0, 0.0], [0.0, 3.0], [0.0, 1.0]])  # on its anchor (any length), on it, orthogonal
+    feats = torch.tensor([[2.0, 0.0], [0.0, 3.0], [0.0, 1.0]])  # cosines to (a0, a1): (1, 0), (0, 1), (0, 1)
     y = torch.tensor([0, 1, 0])
+    # centre 0 sees s = (1, 0, 0) over the batch: log-normaliser log(e + 2); its samples are rows 0 and 2:
+    #   mean(1 - log(e + 2), 0 - log(e + 2)) = 1/2 - log(e + 2)
+    # centre 1 sees s = (0, 1, 1): log(1 + 2e); its sample is row 1: 1 - log(1 + 2e)
+    want = -((0.5 - math.log(math.e + 2)) + (1 - math.log(1 + 2 * math.e))) / 2
+    # the code's eps 1e-6 in the per-centre mean: a relative 1e-6 on each term
+    assert center_contrastive_loss(feats, y, anchors, 1.0).item() == pytest.approx(want, abs=1e-5)
+    assert align_loss(feats, y, anchors).item() == pytest.approx(want, abs=1e-5)  # the default form, at tau 1
+    # a third centre no sample holds: its term is 0 and the mean is over 3 centres
+    three = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])  # a2's cosines (-1, 0, 0)
+    c0 = (1 - math.log(math.e + 2)) + (0 - math.log(math.e + 2))  # centre 0 unchanged: (1, 0, 0)
+    want3 = -(c0 / 2 + (1 - math.log(1 + 2 * math.e))) / 3
+    assert center_contrastive_loss(feats, y, three, 1.0).item() == pytest.approx(want3, abs=1e-5)
+    # it is not the earlier CE over the classes (rows 1, 2: -log(e / (e + 1)); row 3: -log(1 / (1 + e)))
+    ce = (2 * math.log(1 + math.exp(-1)) + math.log(1 + math.e)) / 3
+    assert align_loss(feats, y, anchors, "ce", 1.0).item() == pytest.approx(ce, abs=1e-6)
+    assert abs(ce - want) > 0.1
     # 1 - cos per row: 0, 0, 1 -> mean 1/3
     assert align_loss(feats, y, anchors, "cos").item() == pytest.approx(1 / 3, abs=1e-6)
-    # CE over cos / tau (tau = 1): rows 1, 2 have cosines (1, 0) to (own, other): -log(e / (e + 1)) each;
-    # row 3 has (0, 1): -log(1 / (1 + e))
-    want = (2 * math.log(1 + math.exp(-1)) + math.log(1 + math.e)) / 3
-    assert align_loss(feats, y, anchors, "ce", 1.0).item() == pytest.approx(want, abs=1e-6)
-    m = _method("alignfed", rounds=10)
-    assert [m.lam(t) for t in (0, 9)] == [pytest.approx(20.0), pytest.approx(2.0)]
-    assert m.lam(3) == pytest.approx(20.0 - 18.0 * 3 / 9)  # linear in between
+
+
+def test_alignfed_lambda_schedules_and_head_average():
+    m = _method("alignfed", rounds=10)  # the code: lam 20, final 2, exponential over R = 10 rounds
+    for t in (0, 1, 5, 9):
+        assert m.lam(t) == pytest.approx(20.0 * 0.1 ** (t / 10), rel=1e-9), t  # 20 exp(t ln(2 / 20) / 10)
+    assert m.lam(5) == pytest.approx(6.324555, rel=1e-6)  # 20 / sqrt(10)
+    lin = _method("alignfed", rounds=10, schedule="linear")
+    assert [lin.lam(t) for t in (0, 9)] == [pytest.approx(20.0), pytest.approx(2.0)]
+    assert lin.lam(3) == pytest.approx(20.0 - 18.0 * 3 / 9)  # linear in between
+    assert _method("alignfed", lam=0.0).lam(3) == 0.0  # no alignment
+    with pytest.raises(ConfigError, match="lam_final > 0"):
+        _method("alignfed", lam_final=0.0)
     # the anchors stay fixed across rounds; the head is the average of the uploaded heads
     env, shared = _shared(m)
     ups = [Upload(k, {"head_weight": torch.full((C, 16), float(k)), "head_bias": torch.full((C,), float(k))}, n)
@@ -98,6 +125,34 @@ def test_alignfed_alignment_loss_and_lambda_schedule():
     new = m.aggregate(env, shared, ups, torch.Generator())
     assert torch.equal(new["anchors"], shared["anchors"]) and new["round"].item() == 1.0
     assert torch.allclose(new["head_weight"], torch.full((C, 16), (1 * 10 + 4 * 30) / 40))  # sample-weighted
+
+
+def test_alignfed_uniformity_anchors_spread_to_the_simplex_and_are_seeded():
+    """The code's generate_target: SGD on the log-sum-exp of the pairwise dot products; C <= d + 1 points
+    end at the regular simplex (pairwise cosine -1 / (C - 1)): antipodal pairs, 120 degrees, a tetrahedron."""
+    from raysim.methods.fedtsp.alignfed import uniformity_anchors
+
+    for c, d in ((2, 2), (3, 2), (4, 3), (4, 8)):
+        a = uniformity_anchors(c, d, torch.Generator().manual_seed(0), iters=3000)
+        assert a.shape == (c, d) and torch.allclose(a.norm(dim=1), torch.ones(c), atol=1e-5)
+        cos = a @ a.T
+        off = cos[~torch.eye(c, dtype=torch.bool)]
+        # 3000 steps at lr 0.1 converge to the simplex to about 1e-3 in cosine (measured); 1e-2 leaves margin
+        assert torch.allclose(off, torch.full_like(off, -1.0 / (c - 1)), atol=1e-2), (c, d, off)
+    # one step returns the normalised uniform draw itself (the code returns u from before its last update)
+    g = torch.Generator().manual_seed(3)
+    v = torch.empty(3, 4).uniform_(-1.0, 1.0, generator=g)
+    assert torch.allclose(uniformity_anchors(3, 4, torch.Generator().manual_seed(3), iters=1), v / v.norm(dim=1, keepdim=True))
+    same = uniformity_anchors(3, 4, torch.Generator().manual_seed(3), iters=50)
+    assert torch.equal(same, uniformity_anchors(3, 4, torch.Generator().manual_seed(3), iters=50))
+    assert not torch.allclose(same, uniformity_anchors(3, 4, torch.Generator().manual_seed(4), iters=50))
+    # the method's default is these anchors; anchors=etf keeps the earlier simplex ETF
+    env, shared = _shared(_method("alignfed"))
+    assert torch.allclose(shared["anchors"], uniformity_anchors(C, 16, torch.Generator().manual_seed(0), iters=300))
+    from raysim.methods.fedtsp.alignfed import simplex_etf
+
+    _, etf = _shared(_method("alignfed", anchors="etf"))
+    assert torch.allclose(etf["anchors"], simplex_etf(C, 16, torch.Generator().manual_seed(0)))
 
 
 def test_alignfed_training_pulls_features_onto_their_anchors():
@@ -197,10 +252,45 @@ def test_fedkd_svd_keeps_at_least_T_of_the_energy_and_reconstructs():
     assert torch.equal(same, flat) and sent == 52  # T = 1: nothing is compressed
 
 
-def test_fedkd_energy_schedule_and_upload_is_a_compressed_update():
+def test_fedkd_default_uploads_the_full_trained_mentee_and_averages_it_uncompressed():
+    """The code behind the tables: the client saves its mentee's full parameters, the server their 1/K mean,
+    SVD commented out; the mentee trains at the client lr."""
     m = _method("fedkd", rounds=10)
+    assert m.opts.compression == "none" and m.opts.mentee_lr == 0.0
+    env, shared = _shared(m)
+    up, res, cenv, _ = _round(m, shared)
+    assert set(up) == {"weights"} and up["weights"].shape == shared["weights"].shape
+    assert res.metrics["upload_ratio"] == 1.0
+    # the same round under compression=svd at T = 1 sends broadcast + (trained - broadcast): the trained
+    # weights up to float32 rounding of the subtraction and re-addition (1e-6 of the weights' scale)
+    raw, _, _, _ = _round(_method("fedkd", rounds=10, T_start=1.0, T_end=1.0, compression="svd"), shared)
+    scale = float(up["weights"].abs().max())
+    assert torch.allclose(up["weights"], raw["weights"], atol=1e-6 * scale)
+    # and not its 95 % truncation: the truncation drops up to 5 % of each matrix's energy (measured here:
+    # 16 % of the update's norm); float32 rounding alone would be ~1e-6 of it
+    svd95, _, _, _ = _round(_method("fedkd", rounds=10, compression="svd"), shared)
+    full_delta, svd_delta = up["weights"] - shared["weights"], svd95["weights"] - shared["weights"]
+    assert float((full_delta - svd_delta).norm()) > 0.01 * float(full_delta.norm())
+    # the mentee at the client lr: the default equals an explicit mentee_lr = lr and differs from another lr
+    lr = m.client_lr
+    same, _, _, _ = _round(_method("fedkd", rounds=10, mentee_lr=lr), shared)
+    other, _, _, _ = _round(_method("fedkd", rounds=10, mentee_lr=10 * lr), shared)
+    assert torch.equal(same["weights"], up["weights"]) and not torch.allclose(other["weights"], up["weights"])
+    # the server: the plain 1/K mean of the uploads (weights 1 and 4, samples 10 and 30 -> 2.5), not compressed
+    n = shared["weights"].numel()
+    ups = [Upload(0, {"weights": torch.full((n,), 1.0)}, 10), Upload(1, {"weights": torch.full((n,), 4.0) + torch.randn(n)}, 30)]
+    new = m.aggregate(env, shared, ups, torch.Generator())
+    assert torch.allclose(new["weights"], (ups[0].tensors["weights"] + ups[1].tensors["weights"]) / 2, atol=1e-6)
+    assert new["round"].item() == 1.0
+    with pytest.raises(ConfigError, match="fedkd.compression"):
+        _method("fedkd", compression="zip")
+
+
+def test_fedkd_svd_option_energy_schedule_and_upload_is_a_compressed_update():
+    """compression=svd (the paper; the project's earlier default)."""
+    m = _method("fedkd", rounds=10, compression="svd")
     assert {m.energy(t) for t in range(10)} == {0.95}  # T_start = T_end: the same threshold every round
-    ramp = _method("fedkd", rounds=10, T_start=0.5, T_end=1.0)
+    ramp = _method("fedkd", rounds=10, T_start=0.5, T_end=1.0, compression="svd")
     assert ramp.energy(0) == 0.5 and ramp.energy(5) == pytest.approx(0.75)
     env, shared = _shared(m)
     up, res, cenv, _ = _round(m, shared)
@@ -210,7 +300,7 @@ def test_fedkd_energy_schedule_and_upload_is_a_compressed_update():
     # the same round at T = 1 gives the raw trained update: the upload is its per-matrix truncation at 95 %
     from raysim.methods.fedtsp.fedkd import svd_compress
 
-    raw, full, _, _ = _round(_method("fedkd", rounds=10, T_start=1.0, T_end=1.0), shared)
+    raw, full, _, _ = _round(_method("fedkd", rounds=10, T_start=1.0, T_end=1.0, compression="svd"), shared)
     assert full.metrics["upload_ratio"] == 1.0
     delta, raw_delta, i, truncated = up["weights"] - shared["weights"], raw["weights"] - shared["weights"], 0, 0
     for shape in m._shapes(cenv):
@@ -305,23 +395,11 @@ def test_end_to_end_on_ray(tmp_path, name, ray_session):
     declared tensors at the broadcast shapes."""
     import csv
 
-    from raysim.config.checks import build_config
-    from raysim.engine.loop import run
+    from zoo_runs import ray_zoo_run
+
     from raysim.storage.store import StateStore
 
-    cfg = build_config({
-        "method": name,
-        "data": {"dataset": "digits", "partition": "dirichlet", "beta": 0.5, "shots": 0},
-        "model": {"name": "raysim-tiny", "pretrained": ""},
-        "train": {"num_clients": 3, "rounds": 2, "batch_size": 32},
-        "eval": {"every": 1},
-        "execution": {"backend": "ray", "num_actors": 2},
-        "output": {"out_dir": str(tmp_path / "run"), "progress": False, "tensorboard": False, "cache_dir": str(tmp_path / "c"),
-                   "record_uploads": True},
-        name: {"model_family": "tiny"},
-    })
-    res = run(cfg)
-    rows = list(csv.DictReader(open(res.out_dir / "client_results.csv")))
+    res, rows = ray_zoo_run(tmp_path, name, {"model_family": "tiny", **SPEED.get(name, {})}, out="run", num_actors=2)
     assert len(rows) == 2 * 3 and {r["round"] for r in rows} == {"0", "1"}
     results = list(csv.DictReader(open(res.out_dir / "results.csv")))
     assert all(math.isfinite(float(r["train_loss"])) for r in results)
