@@ -106,3 +106,21 @@ def test_client_level_noise_worked_values():
         noise_update(up, clip=2.5, sigma=-1.0, generator=None)
     with pytest.raises(ConfigError, match="clip must be > 0"):
         clip_update(up, 0.0)
+
+
+def test_clustered_centres_are_noised_by_their_own_member_counts():
+    # FPL / FedPLVM: centre k of class c has sensitivity 2R / n_k, so its noise std is sigma 2R / n_k. Features of
+    # zero norm leave each clean centre at 0: the release is the noise. Centres of 2 and 8 members, 4000
+    # coordinates each: 5 standard errors of a sample std is 5 / sqrt(8000) = 5.6%
+    from raysim.privacy.prototypes import igpp_release
+
+    d, R, sigma = 4000, 3.0, 1.5
+    labels = torch.zeros(10, dtype=torch.long)
+    ids = torch.tensor([0, 0] + [1] * 8)
+    out = igpp_release(torch.zeros(10, d), labels, clip=R, sigma=sigma, generator=torch.Generator().manual_seed(0),
+                       assignments=ids)[0]
+    assert out.shape == (2, d)
+    for k, members in ((0, 2), (1, 8)):
+        assert float(out[k].std()) == pytest.approx(sigma * 2 * R / members, rel=5 / math.sqrt(2 * d))
+    means = igpp_release(torch.zeros(10, d), labels, clip=R, sigma=sigma, generator=torch.Generator().manual_seed(0))[0]
+    assert float(means.std()) == pytest.approx(sigma * 2 * R / 10, rel=5 / math.sqrt(2 * d))  # one mean of 10
