@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: setup run lint test docs clean
+.PHONY: setup run lint test docs mutation clean
 
 $(BIN)/.installed: requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,16 @@ test: setup lint docs
 # the documentation site (docs/, mkdocs.yml); the reference pages are generated from the code
 docs: setup
 	$(BIN)/mkdocs build --strict -d build/site
+
+# mutation testing (mutmut, pinned; scope and tests in pyproject's [tool.mutmut]); not in CI: about 40 minutes on 2 cores.
+# benchmarks/mutation/mutation.py builds the flat tree mutmut runs in (build/mutation) and reports per-file scores
+MUTMUT := mutmut==3.8.1
+MUTATION_WORKERS ?= 2
+mutation: setup
+	$(BIN)/python -m pip install -q $(MUTMUT)
+	$(BIN)/python benchmarks/mutation/mutation.py prepare
+	cd build/mutation && RAYSIM_TESTS_WITHOUT_RAY=1 $(CURDIR)/$(BIN)/mutmut run --max-children $(MUTATION_WORKERS) > mutmut-run.log 2>&1
+	$(BIN)/python benchmarks/mutation/mutation.py report | tee build/mutation/score.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

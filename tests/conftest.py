@@ -56,6 +56,10 @@ def _needs_ray(item) -> bool:
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`), every test that needs Ray runs in one
     worker, so the suite starts one local cluster, as a serial run does; the rest spread over the others."""
+    if os.environ.get("RAYSIM_TESTS_WITHOUT_RAY") == "1":  # `make mutation`: mutmut forks a process per mutant
+        keep = [item for item in items if not _needs_ray(item)]
+        config.hook.pytest_deselected(items=[item for item in items if _needs_ray(item)])
+        items[:] = keep
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:

@@ -9,7 +9,8 @@ CLIP, 3 clients). Each check can fail on a wrong algorithm that is still determi
 - the server's aggregate depends on every participant's upload (dropping one changes it), and the uploads
   the method declares FedAvg'd are the sample-weighted mean (a worked value);
 - under dp.level=client the noise of every released update (10 methods release updates), measured from two releases of the same
-  clean update under two noise streams, has the std 2 C z of the mechanism's calibration;
+  clean update under two noise streams, has the std 2 C z of the mechanism's calibration; under dp.level=sample the
+  noise of every prototype release (14 methods) has the std z 2R / n_c of IGPP's calibration, class by class;
 - local training lowers the training loss of the evaluated model within a few rounds.
 
 The setting of each method is built once (module cache) and shared by its checks."""
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from test_conformance import FAST  # the same speed-only settings (pytest puts this folder on sys.path)
 
-from raysim.methods import method_names
+from raysim.methods import get_method, method_names
 from raysim.methods.base import ServerResult, Upload, broadcast_state
 from raysim.sampling import generator
 
@@ -324,3 +325,60 @@ def test_client_level_noise_is_the_calibrated_std(tmp_path_factory, monkeypatch,
     expected = math.sqrt(2) * 2 * s.cfg.dp.clip * z
     tol = 5 / math.sqrt(2 * diff.numel())  # 5 standard errors of a sample std over n Gaussian coordinates
     assert z > 0 and abs(float(diff.std()) / expected - 1) < tol, (name, float(diff.std()), expected, diff.numel())
+
+
+PROTOTYPE_NAMES = [n for n in NAMES if any(getattr(spec, "kind", "") == "prototype" for spec in get_method(n).releases.values())]
+
+
+@pytest.mark.parametrize("name", PROTOTYPE_NAMES)
+def test_prototype_release_noise_is_the_calibrated_std(tmp_path_factory, monkeypatch, name):
+    """Under dp.level=sample with IGPP, the same client round released twice under two noise streams: each
+    class mean (or cluster centre) the client releases differs by N1 - N2 (the clean mean cancels), whose std
+    is sqrt(2) z 2R / n_c, with n_c the examples behind it (the public counts) and z the multiplier the host
+    calibrated for that release; the public counts are the same both times."""
+    import raysim.privacy.host as privacy_host
+    from raysim.errors import ConfigError
+
+    try:
+        s = setting(tmp_path_factory, name, "dp-proto", dp={"epsilon": 4.0, "level": "sample", "prototypes": "igpp"})
+    except ConfigError:  # refused at config time (test_conformance checks it exits 2 before writing anything)
+        return
+    mechs = s.host.privacy.mechanisms
+    noised = sorted(k for k, spec in s.method.releases.items() if spec.kind == "prototype" and mechs.get(k) is not None)
+    plain = generator
+
+    def release(salt: int) -> dict[str, torch.Tensor]:
+        monkeypatch.setattr(privacy_host, "generator", lambda *a: plain(*a) if a[1] != "dp-release" else plain(a[0] + salt, *a[1:]))
+        snap = s.host.privacy_snapshot(0)
+        shared = {k: v.clone() for k, v in s.shared1.items()}
+        privacy = s.host.open_privacy(0, 1, shared)
+        step = s.method.local_release if s.method.release_first else s.method.local_train
+        result = step(s.host.env, shared, copy.deepcopy(s.host.private_state(0)), s.host.data[0],
+                      rng=generator(s.cfg.train.seed, "train", 1, 0), privacy=privacy)
+        out = privacy.close(result.upload)
+        s.host.restore_privacy(0, snap)
+        return out
+
+    a, b = release(0), release(7919)
+    assert a.keys() == b.keys()
+    if "counts" not in a:
+        # clustered centres (FedPLVM): each centre's sensitivity 2R/n_k uses its member count, which stays on the
+        # client; their noise is checked in tests/privacy/test_privacy_formulas.py (clustered centres)
+        assert all(not torch.equal(a[k], b[k]) for k in noised), f"{name}: a prototype release is not noised"
+        return
+    noised = [k for k in noised if k in a]
+    assert noised, f"{name}: no prototype release in round 1"
+    for k in set(a) - set(noised):
+        assert torch.equal(a[k], b[k]), f"{name}: {k} is not a prototype release but differs between noise streams"
+    R, n = s.cfg.dp.proto_clip, s.host.data[0].num_train
+    scaled = []
+    for k in noised:
+        counts = a.get("counts")
+        assert counts is not None and counts.shape[0] == a[k].shape[0], f"{name}: {k} has no per-row public counts"
+        held = counts > 0
+        z = s.host.privacy.multiplier(0, n, k)
+        scaled.append(((a[k] - b[k]).double()[held] * counts[held, None].double() / (2 * R * z)).flatten())
+        assert torch.equal(a[k][~held], b[k][~held]), f"{name}: a class the client lacks is released"
+    diff = torch.cat(scaled)
+    tol = 5 / math.sqrt(2 * diff.numel())  # 5 standard errors of a sample std over n Gaussian coordinates
+    assert abs(float(diff.std()) / math.sqrt(2) - 1) < tol, (name, float(diff.std()) / math.sqrt(2), diff.numel())

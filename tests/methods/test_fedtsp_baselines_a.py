@@ -388,3 +388,24 @@ def test_end_to_end_on_ray(tmp_path, ray_session, name, section):
         assert len(seen) == 3 and all(set(u) == keys for u in seen.values()), (r, seen.keys())
     acc = sum(float(r["in_client"]) for r in rows if r["round"] == "1") / 3
     assert acc > 0.2, acc  # chance is 0.1
+
+
+def test_fedproto_local_loss_is_ce_plus_lambda_times_the_prototype_mse():
+    # one batch holding the whole client (batch 12 of 12), so the reported loss is the loss of the model the
+    # client started from: CE(h(f(x)), y) + lam MSE(f(x), P_g[y]) over the classes with a global prototype
+    # (fedtsp.txt Eq. 5, FedProto's regulariser). Tolerance: float32 forward passes of the same model, 1e-5 rel
+    from raysim.methods.families.prototype import proto_mse
+
+    data = _data()
+    for lam in (0.0, 2.0):
+        m = _method("fedproto", train=TrainConfig(batch_size=12, local_epochs=1), lam=lam)
+        env = _env(m)
+        private = m.init_private(env, data, torch.Generator().manual_seed(0))
+        shared = {"protos": torch.randn(C, D, generator=torch.Generator().manual_seed(1)), "has": torch.tensor([1.0, 1.0, 0.0])}
+        model = m.model(env, private).train()
+        with torch.no_grad():
+            feats, logits = model(data.x_train)
+            want = float(torch.nn.functional.cross_entropy(logits, data.y_train))
+            want += lam * float(proto_mse(feats, data.y_train, shared["protos"], shared["has"] > 0.5))
+        r = m.local_train(env, shared, private, data, rng=torch.Generator().manual_seed(2), privacy=NoDP())
+        assert r.metrics["loss"] == pytest.approx(want, rel=1e-5)
