@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import fnmatch
+import functools
 import shutil
 import subprocess
 import sys
@@ -76,11 +77,17 @@ def module_of(mutant: str) -> str:
 def in_scope(module: str, tree: Path = TREE) -> bool:
     """Whether `module` (raysim.privacy.accountant) is a file [tool.mutmut] only_mutate names (a tree mutated with a
     wider scope before, or mutmut's own listing, may hold others)."""
+    path = module.replace(".", "/") + ".py"
+    return any(fnmatch.fnmatch(path, p) for p in _only_mutate(tree))
+
+
+@functools.lru_cache(maxsize=None)
+def _only_mutate(tree: Path) -> tuple[str, ...]:
+    """[tool.mutmut] only_mutate of the tree's pyproject.toml, read once per tree."""
     import tomllib  # Python 3.11+ (the project's tested Python; 3.10 users: pip install tomli and import it as tomllib)
 
     config = tomllib.loads((tree / "pyproject.toml").read_text("utf-8"))["tool"]["mutmut"]
-    path = module.replace(".", "/") + ".py"
-    return any(fnmatch.fnmatch(path, p) for p in config.get("only_mutate", ["*"]))
+    return tuple(config.get("only_mutate", ["*"]))
 
 
 def score(counts: collections.Counter) -> float:

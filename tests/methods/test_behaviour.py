@@ -287,12 +287,33 @@ def test_local_training_lowers_the_training_loss(tmp_path_factory, name):
     assert sum(after) < sum(before), f"{name}: local training did not lower the training loss: {before} -> {after}"
 
 
+def released_twice(s: Setting, monkeypatch, stream: str, step) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Client 0's round-1 upload made by `step` (local_train or local_release) and closed by its privacy handle,
+    twice: the noise stream named `stream` ("dp-update", "dp-release") salted differently each time, every other
+    stream and the client's privacy state the same (restored after each)."""
+    import raysim.privacy.host as privacy_host
+
+    plain = generator
+
+    def release(salt: int) -> dict[str, torch.Tensor]:
+        monkeypatch.setattr(privacy_host, "generator", lambda *a: plain(*a) if a[1] != stream else plain(a[0] + salt, *a[1:]))
+        snap = s.host.privacy_snapshot(0)
+        shared = {k: v.clone() for k, v in s.shared1.items()}
+        privacy = s.host.open_privacy(0, 1, shared)
+        result = step(s.host.env, shared, copy.deepcopy(s.host.private_state(0)), s.host.data[0],
+                      rng=generator(s.cfg.train.seed, "train", 1, 0), privacy=privacy)
+        out = privacy.close(result.upload)
+        s.host.restore_privacy(0, snap)
+        return out
+
+    return release(0), release(7919)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_client_level_noise_is_the_calibrated_std(tmp_path_factory, monkeypatch, name):
     """Under dp.level=client, the same client round released twice under two noise streams: the releases of
     every update-released upload differ by N1 - N2 (the clean clipped update cancels), whose std is
     sqrt(2) * 2 C z with z the mechanism's calibrated multiplier; every other upload is the same both times."""
-    import raysim.privacy.host as privacy_host
     from raysim.errors import ConfigError
 
     try:
@@ -301,20 +322,7 @@ def test_client_level_noise_is_the_calibrated_std(tmp_path_factory, monkeypatch,
         return
     mechs = s.host.privacy.mechanisms
     noised = sorted(k for k in s.method.releases if getattr(mechs.get(k), "applied", "") == "update")
-    plain = generator
-
-    def release(salt: int) -> dict[str, torch.Tensor]:
-        monkeypatch.setattr(privacy_host, "generator", lambda *a: plain(*a) if a[1] != "dp-update" else plain(a[0] + salt, *a[1:]))
-        snap = s.host.privacy_snapshot(0)
-        shared = {k: v.clone() for k, v in s.shared1.items()}
-        privacy = s.host.open_privacy(0, 1, shared)
-        result = s.method.local_train(s.host.env, shared, copy.deepcopy(s.host.private_state(0)), s.host.data[0],
-                                      rng=generator(s.cfg.train.seed, "train", 1, 0), privacy=privacy)
-        out = privacy.close(result.upload)
-        s.host.restore_privacy(0, snap)
-        return out
-
-    a, b = release(0), release(7919)
+    a, b = released_twice(s, monkeypatch, "dp-update", s.method.local_train)
     assert a.keys() == b.keys() and set(a) <= set(s.method.releases)
     for k in set(a) - set(noised):
         assert torch.equal(a[k], b[k]), f"{name}: {k} is not update-released but differs between noise streams"
@@ -336,7 +344,6 @@ def test_prototype_release_noise_is_the_calibrated_std(tmp_path_factory, monkeyp
     class mean (or cluster centre) the client releases differs by N1 - N2 (the clean mean cancels), whose std
     is sqrt(2) z 2R / n_c, with n_c the examples behind it (the public counts) and z the multiplier the host
     calibrated for that release; the public counts are the same both times."""
-    import raysim.privacy.host as privacy_host
     from raysim.errors import ConfigError
 
     try:
@@ -345,21 +352,8 @@ def test_prototype_release_noise_is_the_calibrated_std(tmp_path_factory, monkeyp
         return
     mechs = s.host.privacy.mechanisms
     noised = sorted(k for k, spec in s.method.releases.items() if spec.kind == "prototype" and mechs.get(k) is not None)
-    plain = generator
-
-    def release(salt: int) -> dict[str, torch.Tensor]:
-        monkeypatch.setattr(privacy_host, "generator", lambda *a: plain(*a) if a[1] != "dp-release" else plain(a[0] + salt, *a[1:]))
-        snap = s.host.privacy_snapshot(0)
-        shared = {k: v.clone() for k, v in s.shared1.items()}
-        privacy = s.host.open_privacy(0, 1, shared)
-        step = s.method.local_release if s.method.release_first else s.method.local_train
-        result = step(s.host.env, shared, copy.deepcopy(s.host.private_state(0)), s.host.data[0],
-                      rng=generator(s.cfg.train.seed, "train", 1, 0), privacy=privacy)
-        out = privacy.close(result.upload)
-        s.host.restore_privacy(0, snap)
-        return out
-
-    a, b = release(0), release(7919)
+    step = s.method.local_release if s.method.release_first else s.method.local_train
+    a, b = released_twice(s, monkeypatch, "dp-release", step)
     assert a.keys() == b.keys()
     if "counts" not in a:
         # clustered centres (FedPLVM): each centre's sensitivity 2R/n_k uses its member count, which stays on the
