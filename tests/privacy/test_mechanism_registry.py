@@ -117,3 +117,71 @@ def test_a_new_mechanism_is_found_by_resolve_without_touching_another_file(monke
     assert torch.equal(protos, torch.zeros(2, 4))
     h.close({"protos": protos, "counts": torch.tensor([5.0, 5.0])})
     assert [r.mechanism for r in host.ledger(0).releases] == ["test_rounded"]
+
+
+# the refusals, word for word: a user reads these to know what to change (each names the upload and the fix)
+REFUSALS = {
+    ("update", "sample"): "{what} is trained without per-example DP-SGD, so dp.level=sample cannot privatise it; use "
+                          "dp.level=client (the whole update is clipped and noised) or dp.epsilon=inf",
+    ("prototype", "client"): "{what} is a prototype release, not an update of the broadcast state; use dp.level=sample",
+    ("reference", "client"): "{what} reproduces a reference code's sample-level noise; use dp.level=sample",
+}
+
+
+@pytest.mark.parametrize("kind, level", sorted(REFUSALS))
+def test_each_refusal_names_the_upload_and_says_what_to_set(kind, level):
+    for prototypes in mechanisms.prototype_choices():
+        dp = DPConfig(epsilon=1.0, level=level, prototypes=prototypes)
+        with pytest.raises(ConfigError) as named:
+            resolve(_spec(kind), dp, what="fedx's upload 'w'")
+        assert str(named.value) == REFUSALS[kind, level].format(what="fedx's upload 'w'")
+        with pytest.raises(ConfigError) as unnamed:  # without `what`, the kind names the upload
+            resolve(kind, dp)
+        assert str(unnamed.value) == REFUSALS[kind, level].format(what=f"a {kind} upload")
+
+
+def test_resolve_refuses_unknown_kinds_ambiguous_registries_and_mechanisms_without_a_refusal(monkeypatch):
+    with pytest.raises(ConfigError) as e:
+        resolve("gradient", DPConfig(epsilon=1.0), what="fedx's upload 'g'")
+    assert str(e.value) == "fedx's upload 'g': unknown release kind 'gradient'"
+    with pytest.raises(ConfigError) as e:
+        resolve("gradient", DPConfig(epsilon=1.0))
+    assert str(e.value) == "a gradient upload: unknown release kind 'gradient'"
+
+    class Twin(Mechanism):  # a second mechanism serving embeddings at the same settings: which one is meant?
+        name = "test_twin"
+        applied = "release"
+        clipped = sensitivity = relation = accountant = "-"
+        serves = ("embedding",)
+
+        def plan(self, *, num_train, steps_per_round, batch_size):
+            return Planned(q=1.0, steps=1)
+
+    monkeypatch.setitem(MECHANISMS._items, Twin.name, Twin)
+    with pytest.raises(ConfigError) as e:
+        resolve("embedding", DPConfig(epsilon=1.0), what="w")
+    assert str(e.value) == ("w: mechanisms embedding, test_twin all serve embedding releases under this dp section; "
+                            "give them distinct dp.level or dp.prototypes choices")
+    monkeypatch.delitem(MECHANISMS._items, Twin.name)
+
+    class SampleOnly(Twin):  # no refusal text of its own: the generic one says which level it serves
+        name = "test_sample_only"
+        serves = ("public",)
+        levels = ("sample",)
+
+    monkeypatch.setitem(MECHANISMS._items, "public", SampleOnly)  # the only public mechanism, for this test
+    with pytest.raises(ConfigError) as e:
+        resolve(_spec("public"), DPConfig(epsilon=1.0, level="client"), what="w")
+    assert str(e.value) == ("w is a public release, which test_sample_only makes only at dp.level=sample; "
+                            "use dp.level=sample or dp.epsilon=inf")
+
+    class Chosen(Twin):  # serves references only when chosen, and is not: nothing serves the release
+        name = "test_chosen"
+        serves = ("reference",)
+        choice = "test_chosen"
+
+    monkeypatch.setitem(MECHANISMS._items, "dpfpl_reference", Chosen)
+    with pytest.raises(ConfigError) as e:
+        resolve("reference", DPConfig(epsilon=1.0), what="w")
+    assert str(e.value) == ("w: no registered mechanism serves reference releases at dp.level=sample with dp.prototypes=igpp; "
+                            f"choose dp.prototypes from {', '.join(mechanisms.prototype_choices())} or dp.epsilon=inf")
