@@ -136,3 +136,42 @@ def test_a_ledger_comes_back_from_its_checkpoint_with_every_field():
     # an older checkpoint without accountant / conversion reads as what runs used then
     old = PrivacyLedger.from_dict({"target_epsilon": 1.0, "delta": 1e-5})
     assert (old.accountant, old.conversion, old.releases) == ("rdp", "tight", [])
+
+
+# ------------------------------------------------------------------ VPP's reported values, worked by hand
+def test_vpp_release_reports_the_papers_quantities_at_worked_values():
+    from raysim.privacy.prototypes import discriminativeness_scores, gaussian_rdp_sigma, group_clip, vpp_release, vpp_sigmas
+
+    d = 10
+    x = torch.randn(30, d, generator=torch.Generator().manual_seed(3)) * 4
+    y = torch.tensor([0, 1, 2] * 10)
+    out = vpp_release(x, y, R=2.0, rho=0.3, H=0.5, epsilon=2.0, rounds=5, delta=1e-5, r_split=0.25,
+                      generator=torch.Generator().manual_seed(1))
+    k = 3  # ceil(0.3 * 10)
+    assert len(out["idx_A"]) == k and len(out["idx_B"]) == d - k
+    assert sorted(out["idx_A"].tolist() + out["idx_B"].tolist()) == list(range(d))  # a partition of the coordinates
+    assert out["epsilon1"] == pytest.approx(0.5) and out["epsilon2"] == pytest.approx(1.5)  # 0.25 / 0.75 of 2
+    assert out["lambda"] == pytest.approx(2 * k * 0.5 * 5 / 0.5)  # Eq. 9: 2 k H T / epsilon1
+    # sigma_ref as VPDR's code calibrates epsilon2 over T releases; the group sigmas from it (Eq. 12-13)
+    assert out["sigma_ref"] == pytest.approx(gaussian_rdp_sigma(epsilon=1.5, delta=1e-5, releases=5), rel=1e-12)
+    assert (out["sigma_A"], out["sigma_B"]) == pytest.approx(vpp_sigmas(out["sigma_ref"], d, k), rel=1e-12)
+    torch.testing.assert_close(out["scores"], discriminativeness_scores(x, y, 3))
+    assert sorted(out["prototypes"]) == [0, 1, 2] and [int(out["counts"][c].sum()) for c in range(3)] == [10, 10, 10]
+
+    # rho above 0.5 is clamped to 0.5 (the code's cap); k never reaches d (group B keeps a coordinate)
+    assert len(vpp_release(x, y, R=2.0, rho=0.9, H=0.5, epsilon=2.0, rounds=5, delta=1e-5,
+                           generator=torch.Generator().manual_seed(1))["idx_A"]) == 5
+    assert len(vpp_release(x[:, :2], y, R=2.0, rho=0.5, H=0.5, epsilon=2.0, rounds=5, delta=1e-5,
+                           generator=torch.Generator().manual_seed(1))["idx_A"]) == 1
+
+    # without a budget: no noise at all, the prototypes are the class means of the group-clipped features
+    free = vpp_release(x, y, R=2.0, rho=0.3, H=0.5, epsilon=math.inf, rounds=5, delta=1e-5,
+                       generator=torch.Generator().manual_seed(1))
+    assert (free["sigma_ref"], free["sigma_A"], free["sigma_B"], free["lambda"]) == (0.0, 0.0, 0.0, 0.0)
+    clipped = group_clip(x, free["idx_A"], free["idx_B"], 2.0)
+    for c in range(3):  # a mean of ten float32 rows: 1e-6
+        torch.testing.assert_close(free["prototypes"][c], clipped[y == c].mean(0), rtol=0, atol=1e-6)
+    # a class that is absent from this client is not released, and num_classes is read from the labels
+    two = vpp_release(x[y < 2], y[y < 2], R=2.0, rho=0.3, H=0.5, epsilon=2.0, rounds=5, delta=1e-5,
+                      generator=torch.Generator().manual_seed(1))
+    assert sorted(two["prototypes"]) == [0, 1]
