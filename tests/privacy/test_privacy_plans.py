@@ -175,3 +175,65 @@ def test_vpp_release_reports_the_papers_quantities_at_worked_values():
     two = vpp_release(x[y < 2], y[y < 2], R=2.0, rho=0.3, H=0.5, epsilon=2.0, rounds=5, delta=1e-5,
                       generator=torch.Generator().manual_seed(1))
     assert sorted(two["prototypes"]) == [0, 1]
+
+
+# ------------------------------------------------------------------ the training mechanisms' round plans
+def _host(method_name, dp, *, batch_size, options=None):
+    from raysim.methods import get_method
+    from raysim.methods.base import TrainConfig
+    from raysim.privacy.host import HostPrivacy
+
+    cls = get_method(method_name)
+    method = cls(TrainConfig(batch_size=batch_size, num_clients=4), options or cls.Options(), dp)
+    return HostPrivacy(dp=dp, method=method, seed=5, batch_size=batch_size, releases_per_client=lambda cid: 3)
+
+
+def _same_stream(a: torch.Generator, b: torch.Generator) -> bool:
+    return torch.equal(torch.randn(8, generator=a), torch.randn(8, generator=b))
+
+
+@pytest.mark.parametrize("sampling", ["poisson", "shuffle"])
+def test_a_dpsgd_round_steps_with_the_clients_multiplier_rate_clip_and_stream(sampling):
+    from raysim.config import DPConfig
+    from raysim.privacy.dpsgd import DPSGD
+    from raysim.sampling import generator
+
+    dp = DPConfig(epsilon=1.0, clip=0.7, sampling=sampling, microbatch=3)
+    host = _host("promptfl", dp, batch_size=8)
+    n = 40  # q = 8 / 40
+    h = host.open(2, 1, n, {"ctx": torch.zeros(2, 3)})
+    sgd = h.stepper
+    assert isinstance(sgd, DPSGD)
+    assert sgd.sigma == pytest.approx(host.multiplier(2, n), rel=1e-12) and sgd.sigma > 0
+    assert (sgd.clip, sgd.sample_rate, sgd.microbatch) == (0.7, pytest.approx(0.2), 3)
+    assert sgd.expected_batch == (pytest.approx(8.0) if sampling == "poisson" else None)  # q n under Poisson only
+    assert h.poisson is (sampling == "poisson")
+    assert _same_stream(sgd.generator, generator(5, "dp-noise", 1, 2))  # the (round, client) noise stream
+    rel = h._training.release
+    assert (rel.mechanism, rel.round, rel.sampling, rel.sample_rate) == ("dpsgd", 1, sampling, pytest.approx(0.2))
+    assert rel.sigma == sgd.sigma and rel.valid  # the one float, passed through: exact and rel.claimed_epsilon is None
+    # the round is on the client's record even when no step ran (with 0 steps, which compose to nothing)
+    assert h._training.record_without_steps
+    # a client with fewer examples than the batch: q capped at 1
+    assert host.open(3, 1, 5, {"ctx": torch.zeros(2, 3)}).stepper.sample_rate == 1.0
+
+
+def test_a_dpfpl_reference_round_clips_at_the_codes_threshold_without_noise_and_records_no_guarantee():
+    from raysim.config import DPConfig
+    from raysim.methods import get_method
+    from raysim.privacy.dpsgd import BatchClipSGD
+    from raysim.sampling import generator
+
+    dp = DPConfig(epsilon=2.0)
+    opts = get_method("dpfpl").Options(dp_mode="reference", norm_thresh=4.5)
+    host = _host("dpfpl", dp, batch_size=8, options=opts)
+    h = host.open(1, 2, 40, {})
+    sgd = h.stepper
+    assert isinstance(sgd, BatchClipSGD)
+    assert (sgd.std, sgd.clip) == (0.0, 4.5)  # the client adds no noise to what it uploads; C = NORM_THRESH
+    assert _same_stream(sgd.generator, generator(5, "dp-noise", 2, 1))
+    assert not h.poisson
+    rel = h._training.release
+    assert (rel.mechanism, rel.sigma, rel.sample_rate, rel.round, rel.sampling) == ("dpfpl_reference", 0.0, 1.0, 2, "shuffle")
+    assert rel.valid is False and rel.claimed_epsilon == 2.0  # what the code would print, beside the ledger's inf
+    assert not h._training.record_without_steps  # no step, no upload, nothing to record
