@@ -67,7 +67,6 @@ def measure(clients: int, per_round: int, rounds: int, hosts: int, dp: float, ca
         extra["dp"] = {"epsilon": dp}
     cfg = build_config(merge_config(values, extra))
 
-    log: dict[str, list] = {"export": [], "settle": [], "train_stacks": [], "stack_training": [], "guests": [], "ser": [], "bytes": []}
     per_round_log: list[dict] = []
 
     def timed(name, fn):
@@ -123,7 +122,8 @@ def measure(clients: int, per_round: int, rounds: int, hosts: int, dp: float, ca
 
     return {
         "clients": clients, "guests/round": med(r["guests"] for r in timed_rounds),
-        "export_us": 1e6 * per_guest("export"), "install_us": 1e6 * med((r["train_stacks"] - r["stack_training"]) / r["guests"] for r in timed_rounds),
+        "export_us": 1e6 * per_guest("export"),
+        "install_us": 1e6 * med((r["train_stacks"] - r["stack_training"]) / r["guests"] for r in timed_rounds),
         "settle_us": 1e6 * per_guest("settle"), "serialise_us": 1e6 * per_guest("ser"), "bytes": per_guest("bytes"),
         "moves_ms": 1e3 * med(r["export"] + r["settle"] + r["train_stacks"] - r["stack_training"] for r in timed_rounds),
         "round_ms": 1e3 * med(seconds[r["round"]] for r in timed_rounds), "run_s": total,
@@ -141,7 +141,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         rows = [measure(n, args.per_round, args.rounds, args.hosts, args.dp, str(Path(tmp) / "cache"), str(Path(tmp) / f"run{n}"))
                 for n in args.clients]
-    print(f"per round: {args.per_round} clients, one stack, {args.hosts} hosts inline, dp.epsilon={args.dp}; medians over {args.rounds} rounds")
+    print(f"per round: {args.per_round} clients, one stack, {args.hosts} hosts inline, dp.epsilon={args.dp}; "
+          f"medians over {args.rounds} rounds")
     print("| clients | guests / round | export us / guest | install + pack us / guest | settle us / guest | "
           "serialise us / guest | bytes / guest | moves ms / round | round ms | run s |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -221,10 +221,10 @@ class RayBackend:
         # one object in the store, read by every actor
         shared_ref = self.ray.put(self._server_call(lambda: self.server.get_shared.remote(), aggregated=False))
         if self.stacked:
-            upload_refs, flat = stacked_round(round_idx, participants, self.cfg.execution.stack_size, self.home,
-                                              shared_ref, self._calls, self.ray.get)
+            stacked_uploads, flat = stacked_round(round_idx, participants, self.cfg.execution.stack_size, self.home,
+                                                  shared_ref, self._calls, self.ray.get)
             check_round(self.cfg, round_idx, flat)
-            self._round["uploads"] = upload_refs
+            self._round["uploads"] = stacked_uploads
             return flat, self._server_call(lambda: self.server.aggregate.remote(round_idx, *self._round["uploads"]), aggregated=False)
         chosen = set(participants)
         mine = {i: [c for c in g if c in chosen] for i, g in enumerate(self.groups)}

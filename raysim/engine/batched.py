@@ -1,7 +1,7 @@
-"""Client-batched local training: the clients of one host that share its frozen text tower train together.
+"""Client-batched local training: the clients of a stack share one frozen text tower and train together.
 
 A method that supports it (`supports_batching()`, e.g. PromptFL through `ClipPromptMethod.batched_context`)
-trains the host's clients of a round with `batched_local_train`: one text-tower forward per step over the
+trains a stack of clients with `batched_local_train`: one text-tower forward per step over the
 stacked contexts of all clients (K x C prompts) instead of K forwards. What stays per client is everything
 that makes a client: its own batches (from its own rng), loss, SGD state, privacy handle (`privacy.open` /
 `close`, its calibrated multiplier, its DP-SGD noise stream, its ledger) and its report. `StackPrivacy`
@@ -10,19 +10,23 @@ or under DP-SGD every client's per-example gradients (the clients' examples side
 backward), clipped and noised client by client by the client's own `DPSGD` (privacy/dpsgd.py).
 
 Results equal the client-by-client path up to float reassociation (the stacked forward computes the
-shared prompt prefix once, in matmuls of other shapes; tests allow 1e-5), and are bitwise reproducible for
-a fixed setting. A host with one client of the round trains a stack of one, so that where the kernels
-compute each row independently of the others (CPU BLAS, observed: the engine's results.csv is identical
-for any num_actors, tested) a client's result does not depend on which clients share its host.
+shared prompt prefix once, in matmuls of other shapes; tests allow 1e-5), and are bitwise the same on any
+backend and pool size: a round's stacks are its sorted participants cut into chunks of execution.stack_size
+(`plan_stacks`), whichever hosts hold them. The host of a stack's first member trains it (`route_stacks`);
+the stack's members of other hosts are its guests for that call (`stacked_round`, the driver's side for both
+backends): their own host exports a copy of their private state, privacy state and calibration count
+(`GuestState`), the training host holds them only for `ClientHost.train_stacks`, and their own host takes the
+results back (`GuestResult`, `ClientHost.settle_guests`), keeping their ledgers and checkpointing them.
 
-`ClientHost.train` calls `train_stack` when execution.batch_clients is on; it returns None, and the host
-trains client by client, when the round cannot be stacked (a client_timeout, a step kind it does not
-batch) or when anything in the stack raised: a failing client cannot be told apart from the others
-inside one forward, so the whole round is replayed client by client from the same state (nothing was
-charged or stored), which applies on_client_error exactly as always. Otherwise each client's result is
-judged (a non-finite upload is a failure) and settled under the run's policy by raysim/engine/client_round.py,
-the module the client-by-client path uses; this one touches the host only through its public interface
-(`private_state`, `client_data`, `open_privacy`, ..., `client_round.RoundHost`).
+`ClientHost.train` (one host's own clients, in stacks) and `ClientHost.train_stacks` call `train_stacks` here.
+A stack goes client by client when it cannot be stacked (a step kind it does not batch) or when anything in
+it raised: a failing client cannot be told apart from the others inside one forward, so the stack is
+replayed client by client from the same state (nothing was charged or stored), each client on its own host,
+which applies on_client_error exactly as always; a run with a client_timeout never stacks. Otherwise each
+client's result is judged (a non-finite upload is a failure) and settled under the run's policy by
+raysim/engine/client_round.py, the module the client-by-client path uses; this one touches the host only
+through its public interface (`private_state`, `client_data`, `open_privacy`, `is_home`, `local_step`, ...,
+`client_round.RoundHost`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,11 @@ against the method's declared releases. Private state leaves the host only into 
 checkpoint; metrics go to the driver, never to the server. What a client's failure does (on_client_error,
 client_timeout, min_clients) is raysim/engine/client_round.py. A round is one `train` call per host, or for a
 method that releases first (`Method.release_first`, SPEC 3.4) a `release` call, the server's
-aggregation, then a `train` call whose uploads are empty (raysim/engine/backends.py).
+aggregation, then a `train` call whose uploads are empty (raysim/engine/backends.py). A client-batched round
+(raysim/engine/batched.py `stacked_round`) is `export_guests` on the hosts whose clients join other hosts'
+stacks, `train_stacks` on the hosts that lead stacks (with those guests, held for the call only), and
+`settle_guests` on the guests' own hosts (their results back, and the clients of a stack that fell back
+trained client by client).
 """
 
 from __future__ import annotations
@@ -262,7 +266,8 @@ class ClientHost:
         """One phase ("train" or "release") for each of `client_ids` in id order, client by client, under the
         run's client policy (raysim/engine/client_round.py). Each phase draws from its own stream,
         generator(seed, phase, round, client)."""
-        return ClientRound(self, round_idx, shared, phase=phase, policy=self.policy).run(client_ids, self.local_step(phase, round_idx, shared))
+        step = self.local_step(phase, round_idx, shared)
+        return ClientRound(self, round_idx, shared, phase=phase, policy=self.policy).run(client_ids, step)
 
     @torch.no_grad()
     def evaluate(self, shared: dict[str, torch.Tensor], client_ids: Optional[list[int]] = None,
