@@ -241,3 +241,16 @@ def test_a_dpfpl_reference_round_clips_at_the_codes_threshold_without_noise_and_
     assert (rel.mechanism, rel.sigma, rel.sample_rate, rel.round, rel.sampling) == ("dpfpl_reference", 0.0, 1.0, 2, "shuffle")
     assert rel.valid is False and rel.claimed_epsilon == 2.0  # what the code would print, beside the ledger's inf
     assert h._training.record_without_steps is False  # no step, no upload, nothing to record
+
+
+def test_vpp_noises_the_prototypes_whenever_its_multiplier_is_positive_also_below_one():
+    from raysim.privacy.prototypes import group_clip, vpp_release
+
+    x = torch.randn(30, 10, generator=torch.Generator().manual_seed(3))
+    y = torch.tensor([0, 1, 2] * 10)
+    out = vpp_release(x, y, R=2.0, rho=0.3, H=0.5, epsilon=50.0, rounds=5, delta=1e-5, sigma_ref=0.5,
+                      generator=torch.Generator().manual_seed(1))
+    assert out["sigma_A"] > 0 and out["sigma_B"] > 0
+    clean = group_clip(x, out["idx_A"], out["idx_B"], 2.0)[y == 0].mean(0)
+    # noise of std >= 0.5 * 2R / 10 = 0.1 per coordinate: far above float rounding
+    assert float((out["prototypes"][0] - clean).abs().max()) > 1e-3
