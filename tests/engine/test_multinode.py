@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -94,11 +95,26 @@ def two_nodes():
 
 
 DRIVER = r"""
-import json, sys, time, math
+import faulthandler, json, os, sys, threading, time, math
 T0 = time.time()
 def tick(msg): print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
 import ray
 from ray._private.state import state
+
+def watchdog(after=float(os.environ.get("RAYSIM_TEST_WATCHDOG_S", "240"))):
+    # a run still going after `after` s (60-130 s is usual here) prints, to stderr, where every thread is and
+    # what the cluster holds (placement groups and actors by state), so a hang says where it is
+    time.sleep(after)
+    print(f"[{time.time() - T0:6.1f}s] WATCHDOG: still running; threads:", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(all_threads=True)
+    try:
+        if ray.is_initialized():
+            pgs = [(p.get("state"), p.get("bundles")) for p in state.placement_group_table().values()]
+            actors = [(a["ActorClassName"], a["State"], a["JobID"]) for a in state.actor_table(None).values()]
+            print("WATCHDOG placement groups:", pgs, "\nWATCHDOG actors:", actors, file=sys.stderr, flush=True)
+    except Exception as e:
+        print("WATCHDOG: no cluster state:", repr(e), file=sys.stderr, flush=True)
+threading.Thread(target=watchdog, daemon=True).start()
 
 address, storage, cache_dir, out_dir = sys.argv[1:5]
 
@@ -116,6 +132,7 @@ deadline = time.time() + 90
 while len([n for n in ray.nodes() if n["Alive"]]) < 2 and time.time() < deadline:
     time.sleep(1)
 nodes = {n["NodeID"]: sorted(k for k in n["Resources"] if k.endswith("_node")) for n in ray.nodes() if n["Alive"]}
+earlier = set(client_actor_nodes())  # jobs of an earlier driver on these nodes (a retried test): not this sweep's
 ray.shutdown()
 assert len(nodes) == 2, nodes
 tick("two nodes up")
@@ -144,19 +161,46 @@ tick("sweep done")
 ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=False)
 all_jobs = client_actor_nodes()
 ray.shutdown()
-sweep_nodes = sorted({n for job, ns in all_jobs.items() if job not in seen for n in ns})
+sweep_nodes = sorted({n for job, ns in all_jobs.items() if job not in seen and job not in earlier for n in ns})
 print("RESULT " + json.dumps({"nodes": nodes, "fed": fed, "sweep_rows": json.loads(df.to_json(orient="records")),
-                             "sweep_errors": df.attrs["num_errors"], "sweep_nodes": sweep_nodes}))
+                             "sweep_errors": df.attrs["num_errors"], "sweep_nodes": sweep_nodes}), flush=True)
+tick("exiting")
 """
 
 
-def test_federation_and_sweep_on_two_nodes(two_nodes, tmp_path, cache_dir):
+def node_logs(tmp: str, chars: int = 3000) -> str:
+    """The tails of the two nodes' raylet and GCS logs (what a hang's report needs besides the driver's)."""
+    out = []
+    for path in sorted(Path(tmp).glob("session_*/logs/*")):
+        if path.name.startswith(("raylet", "gcs_server")) and path.suffix in (".out", ".err") and path.stat().st_size:
+            out.append(f"--- {path.name}\n{path.read_text(errors='replace')[-chars:]}")
+    return "\n".join(out)
+
+
+def drive(two_nodes, tmp_path, cache_dir) -> subprocess.CompletedProcess:
+    tmp_path.mkdir()
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
-    proc = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(script), two_nodes["address"], str(tmp_path / "sweeps"), cache_dir, str(tmp_path / "run")],
-        cwd=ROOT, env=two_nodes["env"], capture_output=True, text=True, timeout=420,
+        cwd=ROOT, env=two_nodes["env"], capture_output=True, text=True, timeout=360,
     )
+
+
+def test_federation_and_sweep_on_two_nodes(two_nodes, tmp_path, cache_dir):
+    attempt = tmp_path / "1"
+    try:
+        proc = drive(two_nodes, attempt, cache_dir)
+    except subprocess.TimeoutExpired as e:
+        # Seen once in CI on a loaded 2-core machine (stop 36: the driver printed the sweep's start and nothing
+        # after it for 400 s of a 420 s limit) and not reproduced in 8 runs here. The driver's watchdog and the node logs say where
+        # it stood; they are reported as a warning and the driver runs once more on the same nodes, so a second
+        # hang (or any wrong result) still fails the test.
+        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+        warnings.warn(f"multinode driver timed out once; retrying.\nstdout:\n{text(e.stdout)[-3000:]}\n"
+                      f"stderr:\n{text(e.stderr)[-8000:]}\nnode logs:\n{node_logs(two_nodes['tmp'])}", stacklevel=1)
+        attempt = tmp_path / "2"
+        proc = drive(two_nodes, attempt, cache_dir)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     res = json.loads(lines[-1][len("RESULT "):])
@@ -172,4 +216,4 @@ def test_federation_and_sweep_on_two_nodes(two_nodes, tmp_path, cache_dir):
     # the sweep's trials all completed, and their client actors also used both nodes
     assert res["sweep_errors"] == 0 and [r["status"] for r in res["sweep_rows"]] == ["completed", "completed"]
     assert sorted(res["sweep_nodes"]) == sorted(res["nodes"])
-    assert (tmp_path / "sweeps" / "multinode" / "trials.csv").is_file()
+    assert (attempt / "sweeps" / "multinode" / "trials.csv").is_file()
