@@ -16,7 +16,7 @@ THROUGHPUT = 40 TFLOP/s, an A100 at about a quarter of its TF32 peak. An order-o
 data loading, Python overhead and per-example DP-SGD VJPs (which replay the text backward per chunk of
 dp.microbatch examples) are not in it; under DP the text backward is multiplied by ceil(B / microbatch).
 
-Heterogeneous-model methods (FedTSP's tables: a `model_family` like HtFE-img-8 or one `model` per client) and
+Heterogeneous-model methods (FedTSP's tables: a `model_family` like HtFE9 or one `model` per client) and
 the VPDR frameworks (`vpdr_*`: a frozen ViT with an adapter after every block) train the whole network, so:
 
     flops = rounds * participation * E * sum_k n_k * 3 * F_k  +  evals * sum_k n_test_k * F_k
