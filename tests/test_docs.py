@@ -178,6 +178,8 @@ NOT_IN_REPO = {
     # fedtsp.md / vpdr.md "Paper presets": files of the authors' repositories the flag tables point into
     "system/main.py": "fedtsp.md: XinghaoWu/FedTSP_CVPR26's entry point",
     "dataset/generate_Cifar10.py": "fedtsp.md: XinghaoWu/FedTSP_CVPR26's (PFLlib's) generator",
+    "generate_Cifar10.py": "fedtsp.md: the same generator, by name",
+    "generate_Cifar100.py": "fedtsp.md: XinghaoWu/FedTSP_CVPR26's CIFAR-100 generator",
     "dataset/utils/dataset_utils.py": "fedtsp.md: XinghaoWu/FedTSP_CVPR26's copy of PFLlib's file",
     "system/flcore/trainmodel/clip_base_v2_dp.py": "fedtsp.md: XinghaoWu/FedTSP_CVPR26's private PLM",
     "clip_base_v2_dp.py": "fedtsp.md: the same file, by name",
