@@ -175,6 +175,19 @@ NOT_IN_REPO = {
     "dataset_utils.py": "fedtsp.md: PFLlib's own file, whose protocol the page copies",
     "privacy/mechanisms/igpp_unit.py": "add-a-mechanism.md: the example new file",
     "attacks/proto_error.py": "add-an-attack.md: the example new file",
+    # fedtsp.md / vpdr.md "Paper presets": files of the authors' repositories the flag tables point into
+    "system/main.py": "fedtsp.md: XinghaoWu/FedTSP_CVPR26's entry point",
+    "dataset/generate_Cifar10.py": "fedtsp.md: XinghaoWu/FedTSP_CVPR26's (PFLlib's) generator",
+    "generate_Cifar10.py": "fedtsp.md: the same generator, by name",
+    "generate_Cifar100.py": "fedtsp.md: XinghaoWu/FedTSP_CVPR26's CIFAR-100 generator",
+    "dataset/utils/dataset_utils.py": "fedtsp.md: XinghaoWu/FedTSP_CVPR26's copy of PFLlib's file",
+    "system/flcore/trainmodel/clip_base_v2_dp.py": "fedtsp.md: XinghaoWu/FedTSP_CVPR26's private PLM",
+    "clip_base_v2_dp.py": "fedtsp.md: the same file, by name",
+    "main.py": "vpdr.md: yuCoryx/ProtoPFL_VPDR's entry point",
+    "options.py": "vpdr.md: yuCoryx/ProtoPFL_VPDR's argparse defaults",
+    "utils/domain_skew.py": "vpdr.md: yuCoryx/ProtoPFL_VPDR's domain loaders",
+    "utils/label_skew.py": "vpdr.md: yuCoryx/ProtoPFL_VPDR's CIFAR label skew",
+    "utils/tools.py": "vpdr.md: yuCoryx/ProtoPFL_VPDR's sigma calibration",
 }
 # paths the restructure of issue #23 removed: no page may send a reader there
 GONE = ("raysim/engine/protocols.py", "privacy/mechanisms.py", "raysim/audit.py", "raysim/tune.py", "raysim/engine.py",

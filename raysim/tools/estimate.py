@@ -16,7 +16,7 @@ THROUGHPUT = 40 TFLOP/s, an A100 at about a quarter of its TF32 peak. An order-o
 data loading, Python overhead and per-example DP-SGD VJPs (which replay the text backward per chunk of
 dp.microbatch examples) are not in it; under DP the text backward is multiplied by ceil(B / microbatch).
 
-Heterogeneous-model methods (FedTSP's tables: a `model_family` like HtFE-img-8 or one `model` per client) and
+Heterogeneous-model methods (FedTSP's tables: a `model_family` like HtFE9 or one `model` per client) and
 the VPDR frameworks (`vpdr_*`: a frozen ViT with an adapter after every block) train the whole network, so:
 
     flops = rounds * participation * E * sum_k n_k * 3 * F_k  +  evals * sum_k n_test_k * F_k
@@ -52,7 +52,16 @@ DATASETS = {
     "cifar100": (100, 50000, 10000), "pacs": (7, 7992, 2000), "office31": (31, 3288, 822),
     "officehome": (65, 12470, 3118), "domainnet": (100, 120000, 30000),
     "tiny_imagenet": (200, 100000, 10000), "digits": (10, 60000, 10000), "digits4": (10, 60000, 10000),
-    "vpdr_digits": (10, 17000, 12000), "office_caltech10": (10, 2026, 507),
+    # vpdr_digits: raysim/data/vpdr.py keeps floor(10%) of each domain's training set, as the VPDR code
+    # (utils/domain_skew.py keep_ratio 0.1), and every test set whole: MNIST 60000/10000, USPS 7291/2007,
+    # SVHN 73257/26032 (torchvision's splits), SynthDigits imgs_train/imgs_valid 10000/2000 (the sizes the
+    # Kaggle synthetic-digits set lists; not counted from a copy here) -> 6000+729+7325+1000 and the sum of the tests
+    "vpdr_digits": (10, 15054, 40039),
+    # office_caltech10: raysim's index % 10 <= 7 split of each flat domain folder (raysim/data/folders.py) of
+    # amazon 958, caltech 1123, dslr 157, webcam 295 images: 768+899+127+237 train, 190+224+30+58 test. The VPDR
+    # code (utils/domain_skew.py) splits 80/20 at random and then keeps 30% of the training split (606 images);
+    # raysim does not subsample (docs/papers/vpdr.md "Paper presets")
+    "office_caltech10": (10, 2031, 502),
 }
 IMAGE_SIZE = {"tiny_imagenet": 64}  # the zoo CNNs' input side; 32 otherwise (CIFAR, digits at 32x32)
 VIT_WIDTH = {"tiny": (192, 12), "small": (384, 12), "base": (768, 12), "raysim-vit": (384, 12)}  # name part -> (d, blocks)

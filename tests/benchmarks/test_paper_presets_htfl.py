@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import yaml
@@ -17,15 +18,40 @@ PAPER = ROOT / "benchmarks" / "tables" / "paper"
 NAMES = ("fedtsp_table1", "fedtsp_table3", "fedtsp_table4", "vpdr_table1", "vpdr_ablation", "vpdr_alpha")
 
 
-def doc_flags(paper: str) -> dict[str, object]:
+def doc_flags(paper: str) -> dict[Optional[str], dict[str, object]]:
+    """{preset name, or None for every preset of the paper: {flag: preset value}} from the flag tables of the
+    docs' "Paper presets" section: rows before its first ### `name.yaml` heading hold for every preset,
+    rows under such a heading for that preset only (the last column, a YAML scalar or list)."""
     text = (ROOT / "docs" / "papers" / f"{paper}.md").read_text()
     section = text.split("## Paper presets", 1)[1].split("\n## ", 1)[0]
-    out = {}
+    out: dict[Optional[str], dict[str, object]] = {None: {}}
+    current: Optional[str] = None
     for line in section.splitlines():
-        m = re.match(r"\|\s*`([a-z_.]+)`\s*\|.*\|\s*`([^`]*)`\s*\|\s*$", line)
+        h = re.match(r"###\s+`([a-z0-9_]+)\.yaml`", line)
+        if h:
+            current = h.group(1)
+            out.setdefault(current, {})
+            continue
+        m = re.match(r"\|\s*`([a-z0-9_.]+)`\s*\|.*\|\s*`([^`]*)`\s*\|\s*$", line)
         if m:
-            out[m.group(1)] = yaml.safe_load(m.group(2))
+            out[current][m.group(1)] = yaml.safe_load(m.group(2))
     return out
+
+
+def preset_flags(name: str) -> dict[str, object]:
+    """The docs' flags of preset `name`: the paper's common rows, then its own."""
+    flags = doc_flags(name.split("_")[0])
+    return {**flags[None], **flags.get(name, {})}
+
+
+def preset_value(spec: dict, flag: str) -> object:
+    """A flag's value in a table spec: `rounds` for train.rounds, a grid axis, else the shared setting."""
+    if flag == "train.rounds":
+        return spec["rounds"]
+    if flag in (spec.get("grid") or {}):
+        return spec["grid"][flag]
+    section, key = flag.split(".", 1)
+    return spec["setting"][section][key]
 
 
 def flat(d: dict, prefix: str = "") -> dict[str, object]:
@@ -37,28 +63,40 @@ def flat(d: dict, prefix: str = "") -> dict[str, object]:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_preset_keeps_every_flag_of_its_miniature(name):
-    """Every method row and every setting flag of the miniature is in the preset; only scale may differ."""
+    """Every method row and every setting flag of the miniature is in the preset; only scale may differ, and a
+    flag the docs' flag table sets for this preset (from the paper or the code behind the table)."""
     mini = yaml.safe_load((ROOT / "benchmarks" / "tables" / f"{name}.yaml").read_text())
     preset = yaml.safe_load((PAPER / f"{name}.yaml").read_text())
-    assert preset["methods"] == mini["methods"] and preset.get("grid") == mini.get("grid")
+    documented = set(preset_flags(name))
+    assert preset["methods"] == mini["methods"]
+    grid, mini_grid = preset.get("grid") or {}, mini.get("grid") or {}
+    for axis in set(grid) | set(mini_grid):
+        assert axis in documented or grid.get(axis) == mini_grid.get(axis), f"{name}: grid axis {axis} differs undocumented"
     scale = ("model_family", "model", "backbone", "dataset", "num_clients", "local_epochs", "data_root")
     got = flat(preset["setting"])
     for flag, value in flat(mini["setting"]).items():
-        assert flag in got, f"{name}: the preset drops {flag}"
-        if flag.rsplit(".", 1)[1] not in scale:
+        assert flag in got or flag in grid, f"{name}: the preset drops {flag}"
+        if flag.rsplit(".", 1)[1] not in scale and flag not in documented:
             assert got[flag] == value, f"{name}: {flag}={got[flag]!r}, the miniature {value!r}"
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_preset_sets_the_docs_flag_table(name):
-    paper = name.split("_")[0]
-    flags = doc_flags(paper)
-    assert flags, f"docs/papers/{paper}.md has no flag table"
+    flags = preset_flags(name)
+    assert flags, f"docs/papers/{name.split('_')[0]}.md has no flag table for {name}"
     spec = yaml.safe_load((PAPER / f"{name}.yaml").read_text())
     for flag, want in flags.items():
-        section, key = flag.split(".", 1)
-        got = spec["rounds"] if flag == "train.rounds" else spec["setting"][section][key]
-        assert got == want, f"{name}: {flag}={got!r}, the docs say {want!r}"
+        assert preset_value(spec, flag) == want, f"{name}: {flag}={preset_value(spec, flag)!r}, the docs say {want!r}"
+
+
+@pytest.mark.parametrize("name", ("fedtsp_table1", "fedtsp_table4"))
+def test_every_zoo_method_trains_the_family_the_docs_name(name):
+    """The flag table names fedtsp.model_family; every other method of the preset trains the same zoo."""
+    spec = yaml.safe_load((PAPER / f"{name}.yaml").read_text())
+    want = preset_flags(name)["fedtsp.model_family"]
+    families = {sec: opts["model_family"] for sec, opts in spec["setting"].items()
+                if isinstance(opts, dict) and "model_family" in opts}
+    assert families and set(families.values()) == {want}, families
 
 
 @pytest.mark.parametrize("name", NAMES)
