@@ -22,7 +22,7 @@ inside one forward, so the whole round is replayed client by client from the sam
 charged or stored), which applies on_client_error exactly as always. Otherwise each client's result is
 judged (a non-finite upload is a failure) and settled under the run's policy by raysim/engine/client_round.py,
 the module the client-by-client path uses; this one touches the host only through its public interface
-(`private_state`, `client_data`, `open_privacy`, ..., `client_round.RoundHost`).
+(`private_state`, `round_data`, `open_privacy`, ..., `client_round.RoundHost`).
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def train_stack(host: "ClientHost", round_idx: int, client_ids: Sequence[int],
         if not StackPrivacy.supports(handles):
             back_out("this round's privacy steps are not stackable")
             return None
-        jobs = [ClientJob(host.private_state(cid), host.client_data(cid), generator(host.cfg.train.seed, "train", round_idx, cid))
+        jobs = [ClientJob(host.private_state(cid), host.round_data(cid, round_idx), generator(host.cfg.train.seed, "train", round_idx, cid))
                 for cid in cids]
         size = max(1, int(host.cfg.execution.stack_size))
         train = getattr(host.method, "batched_local_train")  # noqa: B009 - what supports_batching() promised
