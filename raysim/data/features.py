@@ -112,7 +112,8 @@ def cached_view_features(
     tokens: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """(train_views,) of shape (N, views, D), L2-normalised: the features of `views` augmented views of every
-    training image (raysim/data/augment.py AugmentedViews), loaded from the cache or computed once and stored.
+    training image (raysim/data/augment.py AugmentedViews, the transform in raysim/data/crop.py), loaded from the cache or computed
+    once and stored.
 
     With `tokens=True`: (train_views, train_view_tokens), the tokens (N, views, K, width) in float16."""
     from raysim.data.augment import AugmentedViews
@@ -121,7 +122,7 @@ def cached_view_features(
     n, key = len(bundle.train), model_spec.key()
     path = feature_cache_path(cache_dir, key, bundle, image_size, kind=views_kind(views, seed))
     tok_path = feature_cache_path(cache_dir, key, bundle, image_size, kind=views_kind(views, seed, tokens=True))
-    shape = {"train": (n, int(views))}
+    shape: dict[str, tuple[int, ...]] = {"train": (n, int(views))}
     feats = _load(path, bundle, shape)
     toks = _load(tok_path, bundle, shape) if tokens else None
     if feats is not None and (not tokens or toks is not None):

@@ -96,7 +96,7 @@ class ImageItems(Dataset):
                  augment: Optional[Callable[[Image.Image, Any], Any]] = None) -> None:
         self.items = items
         self.transform = transform
-        self.augment = augment  # (image, torch.Generator) -> tensor: the training augmentation (raysim/data/augment.py)
+        self.augment = augment  # (image, torch.Generator) -> tensor: the training augmentation (raysim/data/crop.py)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -132,7 +132,7 @@ def make_signature(name: str, root: str, files: Sequence[str], n: int, spec: Loa
 
 def _augment(spec: LoadSpec):
     """The training augmentation of a training split (used only when data.augment resolves to official)."""
-    from raysim.data.augment import make_augment
+    from raysim.data.crop import make_augment
 
     return make_augment(spec.image_size, spec.mean, spec.std)
 
