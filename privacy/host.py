@@ -163,7 +163,7 @@ class HostPrivacy:
         st = self.state(cid)
         if name not in st.multipliers:
             share = shares[name]
-            eps = share.share * self.dp.epsilon
+            eps = share.share / self._shares_held(cid, shares) * self.dp.epsilon
             entries, pure, _ = self.plan(cid, num_train, names=[name], epsilon=eps)
             if pure:
                 raise ConfigError(f"{self.method.name}'s budget shares calibrate Gaussian releases; {name!r} has a pure-DP "
@@ -178,6 +178,14 @@ class HostPrivacy:
                 st.multipliers[name] = calibrate_multiplier(epsilon=eps, delta=self.dp.delta, plan=entries, pure=0.0,
                                                             accountant=self.dp.accountant, conversion=self._conversion())
         return st.multipliers[name]
+
+    def _shares_held(self, cid: int, shares: dict[str, BudgetShare]) -> float:
+        """The sum of the shares of the private releases client `cid` makes over its run: the shares are
+        renormalised over them, so a client that makes only some (FedTSP's clients other than the dp client
+        release no embedding) spends its whole dp.epsilon on those, in the shares' proportions. A
+        classical-Gaussian share is the client's only private release (checked), so it stays whole."""
+        held = sum(shares[n].share for n in self._private_names(cid) if n in shares)
+        return held if held > 0 else 1.0
 
     def gaussian_release(self, cid: int, name: str, mechanism: str, multiplier: float, round_idx: int) -> Release:
         """The ledger entry of one Gaussian release of `name` (q = 1, one step) at `multiplier`: composed

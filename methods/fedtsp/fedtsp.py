@@ -26,6 +26,8 @@ clients train with CE alone. How the budget is spent (`dp_budget`):
          client's class means (a `prototype` release, dp.prototypes, clip dp.proto_clip) get
          dp_share_prototypes x dp.epsilon over their T releases, each calibrated on its own compositions
          (neither pays for the other's); the ledger composes both, so the run's epsilon covers everything.
+         The shares are of the releases a client makes: a client that releases no embedding (every one
+         but dp_client) spends its whole dp.epsilon on its class means.
   paper  as fedtsp.txt 3.5: only the embedding is noised, once, with Eq. 11's sigma = 2C sqrt(2 ln(1.25/
          delta)) / epsilon; the class means are sent unnoised (public here), so the epsilon the ledger
          records (the exact epsilon of that noise, analytic Gaussian mechanism) covers the descriptions only,

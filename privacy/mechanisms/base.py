@@ -233,7 +233,14 @@ def check_method(method: Any, dp: Any) -> None:
             f"dp.prototypes={dp.prototypes} chooses how prototypes are released, but {method.name} releases no prototypes; "
             "use a prototype method (fedproto, fedtgp, vpdr_fedproto, ...) or leave dp.prototypes at its default"
         )
-    resolve_all(method.releases, dp, method=method.name)
+    found = resolve_all(method.releases, dp, method=method.name)
+    shares = getattr(method, "budget_shares", None)
+    for name in (shares() or {}) if dp.enabled and shares is not None else ():
+        mech = found.get(name)
+        if mech is not None and mech.plan(num_train=1, steps_per_round=1, batch_size=1).pure_share:
+            raise ConfigError(f"{method.name}'s budget shares calibrate Gaussian releases; {name!r} has a pure-DP part "
+                              f"({mech.name}: it spends dp.epsilon itself); use dp.prototypes=igpp, or a budget mode of "
+                              f"{method.name} without shares (e.g. fedtsp.dp_budget=joint)")
 
 
 def warnings_for(method: Any, dp: Any) -> list[str]:

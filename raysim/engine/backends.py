@@ -4,6 +4,12 @@ Both implement `Backend`: per round `train_round` (dispatch once per client host
 participating clients, then aggregate on the server in client-id order), `evaluate`, `commit`; and
 `shutdown` and `info` for the run. Which clients share a host is `raysim.engine.cluster.plan_hosts`.
 
+With client-batched training (execution.batch_clients, the default, for a method that stacks) a round's
+stacks are planned from its participants alone (raysim/engine/batched.py `stacked_round`): the host of a
+stack's first member trains it, its other members' state brought there from their own hosts and their
+results brought back (in process inline; on Ray through the driver), so a run's results are bitwise the
+same on either backend and for any pool size.
+
 For a method with `release_first` (SPEC 3.4) `train_round` has two phases: every host's `release` of the
 broadcast state, the server's aggregation of those uploads, then every host's `train` on the new
 broadcast (whose uploads are empty and not aggregated). The clients whose release failed (dropped) do
@@ -17,6 +23,7 @@ from typing import Any, Optional, Protocol
 
 from raysim.config import RunConfig
 from raysim.config.checks import make_method
+from raysim.engine.batched import stacked_round, stacks_clients
 from raysim.engine.client_round import ClientReport, check_round, merge_phases
 from raysim.engine.cluster import init_ray, plan_hosts
 from raysim.engine.evaluation import merge_hits
@@ -58,11 +65,27 @@ class InlineBackend:
         self.server = ServerHost(cfg, data.classnames, out_dir, resume_round)
         self.hosts = [ClientHost(cfg, data, g, out_dir, resume_round) for g in self.groups]
         self.release_first = bool(get_method(cfg.method).release_first)
-        self.global_eval = make_method(cfg).predicts_globally()
+        method = make_method(cfg)
+        self.global_eval = method.predicts_globally()
+        self.stacked = stacks_clients(cfg, method)
+        self.home = {c: i for i, g in enumerate(self.groups) for c in g}
         self.info = {"backend": "inline", "hosts": len(self.hosts)}
+
+    def _call(self, name: str, calls: dict[int, tuple], returns: int) -> dict[int, tuple]:
+        """Each listed host's `name(*args)`, in host order (`stacked_round`'s call)."""
+        out = {}
+        for i in sorted(calls):
+            got = getattr(self.hosts[i], name)(*calls[i])
+            out[i] = tuple(got) if returns > 1 else (got,)
+        return out
 
     def train_round(self, round_idx: int, participants: list[int]) -> tuple[list[ClientReport], dict[str, Any]]:
         shared = self.server.get_shared()
+        if self.stacked:
+            upload_lists, reports = stacked_round(round_idx, participants, self.cfg.execution.stack_size, self.home,
+                                                  shared, self._call, lambda v: v)
+            check_round(self.cfg, round_idx, reports)
+            return reports, self.server.aggregate(round_idx, *upload_lists)
         chosen = set(participants)
         upload_lists, reports = [], []
         for host, group in zip(self.hosts, self.groups):
@@ -127,7 +150,10 @@ class RayBackend:
         self.client_opts = dict(num_cpus=cfg.execution.client_cpus, num_gpus=client_gpus)
         self.server = self._new_server(resume_round)
         self.hosts = [self._new_host(g, resume_round) for g in self.groups]
-        self.global_eval = make_method(cfg).predicts_globally()
+        method = make_method(cfg)
+        self.global_eval = method.predicts_globally()
+        self.stacked = stacks_clients(cfg, method)
+        self.home = {c: i for i, g in enumerate(self.groups) for c in g}
         self.restarts = 0
         self.release_first = bool(get_method(cfg.method).release_first)
         self._round: dict[str, Any] = {}  # this round's inputs, kept until commit (to replay it on a new actor)
@@ -164,16 +190,16 @@ class RayBackend:
     def _replace_host(self, i: int, error: Exception) -> None:
         """A new actor for host i from the last committed round (the one before `_round`). It replays the
         calls of this round that every host had completed (`_round["done"]`: the training, or a
-        release_first method's release and then its training), with the same inputs and RNG streams: the
-        same private state and ledger as the lost actor held (its uploads are discarded; the server already
-        has identical ones)."""
+        release_first method's release and then its training, or a stacked round's export, stacks and
+        settling of guests), with the same inputs and RNG streams: the same private state and ledger as the
+        lost actor held (its uploads are discarded; the server already has identical ones)."""
         self._dead(f"client actor {i} (clients {self.groups[i][:4]}{'...' if len(self.groups[i]) > 4 else ''})", error)
         r = self._round
         self.hosts[i] = self._new_host(self.groups[i], r["round"] - 1)
-        for phase, mine, shared_ref in r.get("done", []):
-            if mine.get(i):
-                call = getattr(self.hosts[i], phase)
-                self.ray.get(call.options(num_returns=2).remote(r["round"], mine[i], shared_ref)[1])
+        for name, calls, returns in r.get("done", []):
+            if i in calls:
+                refs = getattr(self.hosts[i], name).options(num_returns=returns).remote(*calls[i])
+                self.ray.get(refs)
 
     def _get_each(self, refs: dict[int, Any], resubmit) -> dict[int, Any]:
         """ray.get per host; a host whose actor died is replaced and its call resubmitted."""
@@ -194,6 +220,12 @@ class RayBackend:
         self._round = {"round": round_idx, "done": []}
         # one object in the store, read by every actor
         shared_ref = self.ray.put(self._server_call(lambda: self.server.get_shared.remote(), aggregated=False))
+        if self.stacked:
+            stacked_uploads, flat = stacked_round(round_idx, participants, self.cfg.execution.stack_size, self.home,
+                                                  shared_ref, self._calls, self.ray.get)
+            check_round(self.cfg, round_idx, flat)
+            self._round["uploads"] = stacked_uploads
+            return flat, self._server_call(lambda: self.server.aggregate.remote(round_idx, *self._round["uploads"]), aggregated=False)
         chosen = set(participants)
         mine = {i: [c for c in g if c in chosen] for i, g in enumerate(self.groups)}
         mine = {i: m for i, m in mine.items() if m}
@@ -213,18 +245,24 @@ class RayBackend:
         return flat, stats
 
     def _phase(self, phase: str, round_idx: int, mine: dict[int, list[int]], shared_ref: Any) -> tuple[dict[int, Any], dict[int, Any]]:
-        """One `phase` call ("train" or "release") per host with its clients: (reports, upload refs) by host.
-        Once every host has answered, the call joins `_round["done"]`, what a replacement actor replays."""
-        upload_refs: dict[int, Any] = {}
+        """One `phase` call ("train" or "release") per host with its clients: (reports, upload refs) by host."""
+        refs = self._calls(phase, {i: (round_idx, mine[i], shared_ref) for i in mine}, 2)
+        return {i: self.ray.get(refs[i][1]) for i in refs}, {i: refs[i][0] for i in refs}
+
+    def _calls(self, name: str, calls: dict[int, tuple], returns: int) -> dict[int, tuple]:
+        """Each listed host's `name(*args)` at once: {host: its `returns` result refs}, every call finished (a
+        host whose actor died is replaced and the call resubmitted). Once every host has answered, the call
+        joins `_round["done"]`, what a replacement actor replays."""
+        refs: dict[int, tuple] = {}
 
         def submit(i: int):
-            ups, reps = getattr(self.hosts[i], phase).options(num_returns=2).remote(round_idx, mine[i], shared_ref)
-            upload_refs[i] = ups
-            return reps
+            got = getattr(self.hosts[i], name).options(num_returns=returns).remote(*calls[i])
+            refs[i] = tuple(got) if returns > 1 else (got,)
+            return refs[i][-1]
 
-        reports = self._get_each({i: submit(i) for i in mine}, submit)
-        self._round["done"].append((phase, mine, shared_ref))
-        return reports, upload_refs
+        self._get_each({i: submit(i) for i in calls}, submit)
+        self._round["done"].append((name, calls, returns))
+        return refs
 
     def _server_call(self, call, *, aggregated: bool):
         """A server call; if the server actor died, a new one resumes from the last committed round, and

@@ -9,11 +9,16 @@ against the method's declared releases. Private state leaves the host only into 
 checkpoint; metrics go to the driver, never to the server. What a client's failure does (on_client_error,
 client_timeout, min_clients) is raysim/engine/client_round.py. A round is one `train` call per host, or for a
 method that releases first (`Method.release_first`, SPEC 3.4) a `release` call, the server's
-aggregation, then a `train` call whose uploads are empty (raysim/engine/backends.py).
+aggregation, then a `train` call whose uploads are empty (raysim/engine/backends.py). A client-batched round
+(raysim/engine/batched.py `stacked_round`) is `export_guests` on the hosts whose clients join other hosts'
+stacks, `train_stacks` on the hosts that lead stacks (with those guests, held for the call only), and
+`settle_guests` on the guests' own hosts (their results back, and the clients of a stack that fell back
+trained client by client).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -30,6 +35,7 @@ from raysim.sampling import generator, schedule
 from raysim.storage.store import StateStore
 
 if TYPE_CHECKING:
+    from raysim.engine.batched import GuestResult, GuestState
     from raysim.privacy.host import RoundPrivacy
 
 
@@ -63,7 +69,10 @@ class ClientHost:
         self.env = self.method.build_env(spec, role="client")
         self.num_classes = len(data.classnames)
         self.clients = sorted(client_ids)
+        self.federation = data
         self.data: Mapping[int, ClientData] = ClientSlices(data, self.clients)  # each client's slice, made on first use
+        self.guests: dict[int, int] = {}  # this round's guests (clients of other hosts in its stacks): rounds calibrated for
+        self._guest_data = ClientSlices(data, list(range(cfg.train.num_clients)), keep=int(cfg.execution.stack_size))
         from raysim.engine.evaluation import PROTOCOLS
 
         self.protocol = PROTOCOLS.get(cfg.eval.protocol)(data, batch_size=cfg.eval.batch_size)
@@ -104,19 +113,23 @@ class ClientHost:
 
     # -- a client's state, for its round (the RoundHost interface of raysim/engine/client_round.py) ------------
     def client_data(self, cid: int) -> ClientData:
-        """The client's data slice."""
-        return self.data[cid]
+        """The client's data slice (a guest's as its own host would read it: the same arrays, the same slice)."""
+        return self._guest_data[cid] if cid in self.guests else self.data[cid]
+
+    def is_home(self, cid: int) -> bool:
+        """The client lives on this host (not a guest of its stacks)."""
+        return cid in self.data
 
     def round_data(self, cid: int, round_idx: int) -> ClientData:
         """The client's data for its local step in round `round_idx`: its slice, with one augmented view per
         training image per local epoch drawn from the (round, client) stream when data.augment is on
         (`ClientData.for_round`; the slice itself otherwise)."""
-        return self.data[cid].for_round(self.cfg.train.seed, round_idx, self.cfg.train.local_epochs)
+        return self.client_data(cid).for_round(self.cfg.train.seed, round_idx, self.cfg.train.local_epochs)
 
     def private_state(self, cid: int) -> dict[str, Any]:
         """The client's private state (its initial one, from its own seeded stream, before its first participation)."""
         if cid not in self.private:
-            self.private[cid] = initial_private(self.method, self.env, self.data[cid], self.cfg.train.seed)
+            self.private[cid] = initial_private(self.method, self.env, self.client_data(cid), self.cfg.train.seed)
         return self.private[cid]
 
     def update_private(self, cid: int, state: dict[str, Any]) -> None:
@@ -130,7 +143,7 @@ class ClientHost:
 
     def open_privacy(self, cid: int, round_idx: int, shared: dict[str, torch.Tensor]) -> RoundPrivacy:
         """The client's privacy handle for round `round_idx` (privacy/host.py RoundPrivacy)."""
-        return self.privacy.open(cid, round_idx, self.data[cid].num_train, shared)
+        return self.privacy.open(cid, round_idx, self.client_data(cid).num_train, shared)
 
     def privacy_snapshot(self, cid: int) -> Any:
         """A copy of the client's privacy state (calibration, ledger, one-shot releases), for `restore_privacy`."""
@@ -146,13 +159,16 @@ class ClientHost:
         return ClientPolicy.of(self.cfg.execution)
 
     def _rounds_for_calibration(self, cid: int) -> int:
+        if cid in self.guests:
+            return self.guests[cid]  # its own host's count, brought with it
         return self.participation[cid] if self.cfg.dp.calibration == "participated" else self.cfg.train.rounds
 
     def epsilon(self, cid: int) -> float:
         return self.privacy.epsilon(cid)
 
     # -- one round --------------------------------------------------------------------------
-    def train(self, round_idx: int, client_ids: list[int], shared: dict[str, torch.Tensor]) -> tuple[list[Upload], list[ClientReport]]:
+    def train(self, round_idx: int, client_ids: list[int], shared: dict[str, torch.Tensor], *,
+              stacked: bool = True) -> tuple[list[Upload], list[ClientReport]]:
         """Train each of `client_ids` (in id order) from `shared`. A client whose local training fails
         (raises, returns a non-finite upload, or takes longer than cfg.execution.client_timeout) sends nothing and
         gets a report with `dropped=True` and the error; its private state and privacy ledger stay as
@@ -162,14 +178,83 @@ class ClientHost:
         always propagate: they are not client faults but the privacy checks doing their job.
         For a `release_first` method this is the round's second half, after the server aggregated the
         clients' `release`: local_train must upload nothing, and a failed client keeps its state and ledger
-        as after its release (which was sent, so stays charged)."""
+        as after its release (which was sent, so stays charged).
+        With execution.batch_clients (and `stacked`) the clients train in stacks of execution.stack_size
+        (raysim/engine/batched.py); the backends plan a round's stacks across hosts with `train_stacks`."""
         shared = {k: v.to(self.device) for k, v in shared.items()}
         from raysim.engine.batched import train_stack
 
-        stacked = train_stack(self, round_idx, client_ids, shared)  # execution.batch_clients: None = client by client
-        if stacked is not None:
-            return stacked
+        got = train_stack(self, round_idx, client_ids, shared) if stacked else None  # None: client by client
+        if got is not None:
+            return got
         return self._each_client(round_idx, client_ids, shared, phase="train")
+
+    # -- a stacked round across hosts (raysim/engine/batched.py stacked_round) --------------------------------
+    def export_guests(self, round_idx: int, by_trainer: dict[int, list[int]]) -> dict[int, list[GuestState]]:
+        """What host t needs of this host's clients `by_trainer[t]`, guests of its stacks in round `round_idx`:
+        a copy of each one's private state, privacy state and calibration count (the clients' own state stays
+        here, unchanged until `settle_guests`)."""
+        from raysim.engine.batched import GuestState
+
+        return {t: [GuestState(cid, copy.deepcopy(self.private_state(cid)), self.privacy_snapshot(cid),
+                               self._rounds_for_calibration(cid)) for cid in sorted(cids)]
+                for t, cids in by_trainer.items()}
+
+    def train_stacks(self, round_idx: int, stacks: list[list[int]], shared: dict[str, torch.Tensor],
+                     guests: list[GuestState]) -> tuple[list[Upload], list[ClientReport], dict[str, Any]]:
+        """Train the round's `stacks` this host leads (their first member is its own), with their members of
+        other hosts, `guests`, held here for the call: (uploads, reports, {"back": a GuestResult per guest not
+        to be redone, "redo": the guests whose stack fell back, to train client by client on their own
+        hosts}). Nothing of a guest stays here, nor is checkpointed here."""
+        from raysim.engine.batched import GuestResult, train_stacks
+
+        shared = {k: v.to(self.device) for k, v in shared.items()}
+        for g in guests:
+            if g.client_id in self.data:
+                raise RaysimError(f"client {g.client_id} lives on this host; it cannot be its guest")
+            self.guests[g.client_id] = int(g.rounds)
+            self.private[g.client_id] = g.private
+            self.privacy.restore(g.client_id, g.privacy)
+        try:
+            uploads, reports, redo = train_stacks(self, round_idx, stacks, shared)
+            again = set(redo)
+            back = [GuestResult(cid, self.private[cid], self.privacy_snapshot(cid), cid in self.dirty)
+                    for cid in sorted(self.guests) if cid not in again]
+        finally:
+            for cid in list(self.guests):
+                self.private.pop(cid, None)
+                self.privacy.restore(cid, None)
+                self.dirty.discard(cid)
+            self.guests.clear()
+        return uploads, reports, {"back": back, "redo": sorted(redo)}
+
+    def settle_guests(self, round_idx: int, back: list[GuestResult], redo: list[int],
+                      shared: dict[str, torch.Tensor]) -> tuple[list[Upload], list[ClientReport]]:
+        """This host's clients back from other hosts' stacks: their private and privacy state as trained there
+        (checkpointed here at the next `commit` when it changed); then the clients of `redo`, whose stack fell
+        back, client by client here."""
+        for g in back:
+            if g.client_id not in self.data:
+                raise RaysimError(f"client {g.client_id} does not live on this host")
+            self.private[g.client_id] = g.private
+            self.privacy.restore(g.client_id, g.privacy)
+            if g.changed:
+                self.dirty.add(g.client_id)
+        if not redo:
+            return [], []
+        shared = {k: v.to(self.device) for k, v in shared.items()}
+        return self._each_client(round_idx, redo, shared, phase="train")
+
+    def local_step(self, phase: Phase, round_idx: int, shared: dict[str, torch.Tensor]) -> Any:
+        """The client-by-client step of `phase` for a ClientRound: step(cid, privacy) -> the method's LocalResult,
+        drawing from its own stream, generator(seed, phase, round, client)."""
+        step = self.method.local_release if phase == "release" else self.method.local_train
+
+        def one(cid: int, privacy: Any) -> Any:
+            return step(self.env, shared, self.private_state(cid), self.round_data(cid, round_idx),
+                        rng=generator(self.cfg.train.seed, phase, round_idx, cid), privacy=privacy)
+
+        return one
 
     def release(self, round_idx: int, client_ids: list[int], shared: dict[str, torch.Tensor]) -> tuple[list[Upload], list[ClientReport]]:
         """The first half of a `release_first` method's round: each of `client_ids` (in id order) makes its
@@ -187,13 +272,8 @@ class ClientHost:
         """One phase ("train" or "release") for each of `client_ids` in id order, client by client, under the
         run's client policy (raysim/engine/client_round.py). Each phase draws from its own stream,
         generator(seed, phase, round, client)."""
-        step = self.method.local_release if phase == "release" else self.method.local_train
-
-        def one(cid: int, privacy: Any) -> Any:
-            return step(self.env, shared, self.private_state(cid), self.round_data(cid, round_idx),
-                        rng=generator(self.cfg.train.seed, phase, round_idx, cid), privacy=privacy)
-
-        return ClientRound(self, round_idx, shared, phase=phase, policy=self.policy).run(client_ids, one)
+        step = self.local_step(phase, round_idx, shared)
+        return ClientRound(self, round_idx, shared, phase=phase, policy=self.policy).run(client_ids, step)
 
     @torch.no_grad()
     def evaluate(self, shared: dict[str, torch.Tensor], client_ids: Optional[list[int]] = None,
@@ -227,7 +307,9 @@ class ClientHost:
         return [{"client": c, **row, "epsilon": self.epsilon(c)} for c, row in zip(cids, self.protocol.score_many(cids, hits))]
 
     def commit(self, round_idx: int) -> None:
-        """Write the private state of every client that changed this round, then drop stale versions."""
+        """Write the private state of every client that changed this round, then drop stale versions (only
+        this host's own clients: a guest's state went back to its own host)."""
+        assert not self.guests, "guests are held only during train_stacks"
         for cid in sorted(self.dirty):
             self.store.save_client(cid, round_idx, {"private": self.private[cid], "privacy": self.privacy.state(cid).to_dict()})
             self.store.prune_client(cid, round_idx - 1)

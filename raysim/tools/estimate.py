@@ -15,6 +15,22 @@ open_clip's counts for ViT-B/16: 2.9 GFLOP MACs x 2 for text, 17.6 GFLOP for the
 THROUGHPUT = 40 TFLOP/s, an A100 at about a quarter of its TF32 peak. An order-of-magnitude figure:
 data loading, Python overhead and per-example DP-SGD VJPs (which replay the text backward per chunk of
 dp.microbatch examples) are not in it; under DP the text backward is multiplied by ceil(B / microbatch).
+
+Heterogeneous-model methods (FedTSP's tables: a `model_family` like HtFE-img-8 or one `model` per client) and
+the VPDR frameworks (`vpdr_*`: a frozen ViT with an adapter after every block) train the whole network, so:
+
+    flops = rounds * participation * E * sum_k n_k * 3 * F_k  +  evals * sum_k n_test_k * F_k
+    n_k = N_train / K,  n_test_k = N_test / K
+
+F_k is the forward FLOPs of client k's model on one image: for the zoo CNNs counted by
+torch.utils.flop_counter.FlopCounterMode on the actual model (`make_client_model(arch_of(family, k), ...)`,
+random init, one dummy image at the dataset's size: no data, no weights); for the ViT backbones the standard
+transformer count 2 x (12 d^2 + 2 T d) per token per block (Kaplan et al. 2020, with d the width, 4d the MLP
+and T the tokens) plus the patch embedding, at 224x224 with 16x16 patches (ViT-S/16: d=384, 12 blocks, 9.2
+GFLOP, timm's 4.6 GMACs). Training is 3x the forward (forward + backward), also for the VPDR adapters: the
+adapters sit inside every block, so the backbone runs forward and backward at every step (its weight
+gradients are skipped, so 3x is an upper bound; nearer 2x). Server-side work (FedTSP's PLM, prototype
+aggregation, generators) is not in it.
 """
 
 from __future__ import annotations
@@ -37,7 +53,11 @@ DATASETS = {
     "dtd": (47, 2820, 1692), "oxford_pets": (37, 2944, 3669), "cifar10": (10, 50000, 10000),
     "cifar100": (100, 50000, 10000), "pacs": (7, 7992, 2000), "office31": (31, 3288, 822),
     "officehome": (65, 12470, 3118), "domainnet": (100, 120000, 30000),
+    "tiny_imagenet": (200, 100000, 10000), "digits": (10, 60000, 10000), "digits4": (10, 60000, 10000),
+    "vpdr_digits": (10, 17000, 12000), "office_caltech10": (10, 2026, 507),
 }
+IMAGE_SIZE = {"tiny_imagenet": 64}  # the zoo CNNs' input side; 32 otherwise (CIFAR, digits at 32x32)
+VIT_WIDTH = {"tiny": (192, 12), "small": (384, 12), "base": (768, 12), "raysim-vit": (384, 12)}  # name part -> (d, blocks)
 PASSES = {"zeroshot": 0, "promptfl": 1, "dpfpl": 1, "fedotp": 2, "fedpha": 2, "fedpgp": 4, "pfedmoap": 1}
 
 
@@ -53,6 +73,9 @@ def text_passes(cfg: Any) -> float:
 
 def estimate(cfg: Any) -> dict[str, float]:
     """{"flops", "gpu_hours", "steps"} of one run (see the module docstring)."""
+    forward = client_forward_flops(cfg)
+    if forward is not None:
+        return estimate_models(cfg, forward)
     f_text, f_image = MODEL_FLOPS.get(cfg.model.name, SMALL)
     classes, n_train_all, n_test = DATASETS.get(cfg.data.dataset, (10, 1000, 1000))
     K = max(1, cfg.train.num_clients)
@@ -72,4 +95,62 @@ def estimate(cfg: Any) -> dict[str, float]:
     evals = len({r for r in range(cfg.train.rounds) if (r + 1) % cfg.eval.every == 0 or r >= cfg.train.rounds - cfg.eval.last})
     flops = (steps * backward * passes * classes * f_text + n_k * K * views * f_image + n_test * f_image
              + evals * K * max(passes, 1) * classes * f_text)
+    return {"flops": flops, "gpu_hours": flops / THROUGHPUT / 3600.0, "steps": float(steps)}
+
+
+def vit_forward_flops(backbone: str, *, image: int = 224, patch: int = 16) -> float:
+    """Forward FLOPs of one image through a ViT (module docstring); the width from the backbone's name."""
+    d, layers = next((v for k, v in VIT_WIDTH.items() if k in backbone.lower()), VIT_WIDTH["small"])
+    tokens = (image // patch) ** 2 + 1
+    return layers * tokens * 2.0 * (12 * d * d + 2 * tokens * d) + 2.0 * (tokens - 1) * 3 * patch * patch * d
+
+
+_CNN_CACHE: dict[tuple[str, int, int, int], float] = {}
+
+
+def cnn_forward_flops(arch: str, feature_dim: int, classes: int, image_size: int) -> float:
+    """Forward FLOPs of one image through the zoo model, counted on the actual (random) model."""
+    key = (arch, feature_dim, classes, image_size)
+    if key not in _CNN_CACHE:
+        import torch
+        from torch.utils.flop_counter import FlopCounterMode
+
+        from raysim.models.zoo import make_client_model
+
+        model = make_client_model(arch, feature_dim, classes, image_size=image_size).eval()
+        counter = FlopCounterMode(display=False)
+        with torch.no_grad(), counter:
+            model(torch.zeros(1, 3, image_size, image_size))
+        _CNN_CACHE[key] = float(counter.get_total_flops())
+    return _CNN_CACHE[key]
+
+
+def client_forward_flops(cfg: Any) -> list[float] | None:
+    """Per-client forward FLOPs for the heterogeneous-model and VPDR methods; None for the prompt methods."""
+    from raysim.config.checks import method_options
+
+    opts = method_options(cfg)
+    classes = DATASETS.get(cfg.data.dataset, (10, 1000, 1000))[0]
+    K = max(1, cfg.train.num_clients)
+    if cfg.method.startswith("vpdr_"):
+        return [vit_forward_flops(str(getattr(opts, "backbone", "small")))] * K
+    fam, arch = getattr(opts, "model_family", None), getattr(opts, "model", None)
+    if not fam and not arch:
+        return None
+    from raysim.models.zoo import arch_of
+
+    size = IMAGE_SIZE.get(cfg.data.dataset, 32)
+    dim = int(getattr(opts, "feature_dim", 512) or 512)
+    return [cnn_forward_flops(arch_of(fam, k) if fam else str(arch), dim, classes, size) for k in range(K)]
+
+
+def estimate_models(cfg: Any, forward: list[float]) -> dict[str, float]:
+    """{"flops", "gpu_hours", "steps"} of a whole-network run (the module docstring's second formula)."""
+    _, n_train, n_test = DATASETS.get(cfg.data.dataset, (10, 1000, 1000))
+    K = len(forward)
+    rounds, E = cfg.train.rounds, cfg.train.local_epochs
+    evals = len({r for r in range(rounds) if (r + 1) % cfg.eval.every == 0 or r >= rounds - cfg.eval.last})
+    per_client = sum(forward)
+    flops = rounds * cfg.train.participation * E * (n_train / K) * 3.0 * per_client + evals * (n_test / K) * per_client
+    steps = rounds * max(1, round(K * cfg.train.participation)) * E * max(1, math.ceil(n_train / K / cfg.train.batch_size))
     return {"flops": flops, "gpu_hours": flops / THROUGHPUT / 3600.0, "steps": float(steps)}

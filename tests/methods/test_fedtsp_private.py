@@ -111,7 +111,10 @@ def test_split_mode_calibrates_each_release_on_its_own_share():
     noisy = h.release("protos", features=feats, labels=labels, num_classes=10)
     clean = torch.stack([l2_clip(feats, R)[labels == c].mean(0) for c in range(10)])
     measured = float((noisy.double() - clean.double()).std())
-    assert measured == pytest.approx(z_p * 2 * R / 20, rel=0.02)  # std = z 2R / n_c, n_c = 20
+    # client 1 releases no embedding, so its class means get the whole epsilon (the shares are renormalised
+    # over the releases a client makes): its own calibration, std = z 2R / n_c, n_c = 20
+    z_1 = calibrate_multiplier(epsilon=eps, delta=DELTA, plan=[(1.0, T)])
+    assert measured == pytest.approx(z_1 * 2 * R / 20, rel=0.02)
     # the embedding no longer pays for the 300 prototype compositions: the joint calibration (before #25)
     # put 5x more noise on it (the class means, at 3/4 of the budget, get more than under joint: their share)
     joint = calibrate_multiplier(epsilon=eps, delta=DELTA, plan=[(1.0, T + 1)])
@@ -122,6 +125,36 @@ def test_split_mode_calibrates_each_release_on_its_own_share():
     assert ledger.epsilon() == pytest.approx(epsilon_spent([(z_p, 1.0, 1), (z_e, 1.0, 1)], delta=DELTA), rel=1e-9)
     full = epsilon_spent([(z_p, 1.0, T), (z_e, 1.0, 1)], delta=DELTA)  # the whole run's
     assert full <= eps * (1 + 1e-6)
+
+
+def test_split_mode_gives_a_client_without_descriptions_its_whole_budget_for_the_class_means():
+    """The shares are renormalised over the releases a client makes: client 1 never releases the embedding,
+    so its T prototype releases get all of dp.epsilon (not dp_share_prototypes of it); the dp client keeps
+    its two shares."""
+    from raysim.privacy.accountant import calibrate_multiplier, epsilon_spent
+
+    eps, T = 2.0, 50
+    method, env, host = _setup(eps, rounds=T, dp_share_embedding=0.25, dp_share_prototypes=0.75)
+    assert method.releases_of(1) == ["protos", "counts"]
+    whole = calibrate_multiplier(epsilon=eps, delta=DELTA, plan=[(1.0, T)])
+    assert host.multiplier(1, 12, "protos") == pytest.approx(whole, rel=1e-12)
+    assert host.multiplier(0, 12, "protos") == pytest.approx(calibrate_multiplier(epsilon=0.75 * eps, delta=DELTA,
+                                                                                   plan=[(1.0, T)]), rel=1e-12)
+    # over its whole run client 1 spends (up to the bisection's 0.01) dp.epsilon, no longer ~0.75 of it
+    assert eps - 0.01 - 1e-9 <= epsilon_spent([(whole, 1.0, T)], delta=DELTA) <= eps * (1 + 1e-6)
+
+
+def test_split_mode_with_a_pure_dp_prototype_mechanism_is_refused_at_config_time():
+    """VPP's Laplace top-k spends epsilon itself, which a Gaussian budget share cannot calibrate: the run stops
+    before it starts (not at the first release), saying what to choose."""
+    from raysim.config.checks import build_config
+    from raysim.errors import ConfigError
+
+    args = {"method": "fedtsp", "dp": {"epsilon": 1.0, "prototypes": "vpp"}, "data": {"dataset": "digits"},
+            "fedtsp": {"model_family": "tiny"}}
+    with pytest.raises(ConfigError, match=r"'protos' has a pure-DP part \(vpp.*use dp.prototypes=igpp"):
+        build_config(args)
+    build_config({**args, "fedtsp": {"model_family": "tiny", "dp_budget": "joint"}})  # one joint multiplier: fine
 
 
 def test_split_is_the_default_and_the_shares_are_validated():

@@ -103,6 +103,8 @@ def test_the_embedding_is_clipped_to_C_as_a_whole_and_left_alone_inside():
     assert torch.allclose(out, far * (2.0 / math.sqrt(12.0)), rtol=1e-6, atol=0)
     near = torch.full((3, 4), 0.1)  # norm 0.35 < C: min(1, C/||v||) = 1
     assert torch.allclose(mech.apply(near, clip=2.0, multiplier=0.0, generator=g), near, rtol=1e-6, atol=0)
+    small = torch.full((4,), 0.2)  # norm 0.4, C = 0.1: both under 1, clipped all the same
+    assert torch.allclose(mech.apply(small, clip=0.1, multiplier=0.0, generator=g), small / 4, rtol=1e-6, atol=0)
     zero = torch.zeros(5)  # the 1e-12 guard: no division by zero, nothing made up
     assert torch.equal(mech.apply(zero, clip=2.0, multiplier=0.0, generator=g), zero)
 
@@ -115,6 +117,8 @@ def test_the_embedding_noise_is_the_generators_normal_times_2C_sigma_in_the_inpu
     want = (x.reshape(-1).double() + 0.7 * 2.0 * 1.5 * normal).reshape(2, 3)  # inside the radius: no clip
     assert out.dtype == torch.float32 and out.shape == x.shape
     assert torch.allclose(out.double(), want, rtol=0, atol=1e-6)  # float32 rounding of values of size ~5
+    # without a generator of its own: torch's default stream, on the CPU
+    assert mech.apply(x, clip=1.5, multiplier=0.7, generator=None).shape == x.shape
 
 
 # ------------------------------------------------------------------ the ledger through a checkpoint
@@ -232,8 +236,21 @@ def test_a_dpfpl_reference_round_clips_at_the_codes_threshold_without_noise_and_
     assert isinstance(sgd, BatchClipSGD)
     assert (sgd.std, sgd.clip) == (0.0, 4.5)  # the client adds no noise to what it uploads; C = NORM_THRESH
     assert _same_stream(sgd.generator, generator(5, "dp-noise", 2, 1))
-    assert not h.poisson
+    assert h.poisson is False and h._training.poisson is False  # fixed-size shuffled batches, as the code draws them
     rel = h._training.release
     assert (rel.mechanism, rel.sigma, rel.sample_rate, rel.round, rel.sampling) == ("dpfpl_reference", 0.0, 1.0, 2, "shuffle")
     assert rel.valid is False and rel.claimed_epsilon == 2.0  # what the code would print, beside the ledger's inf
-    assert not h._training.record_without_steps  # no step, no upload, nothing to record
+    assert h._training.record_without_steps is False  # no step, no upload, nothing to record
+
+
+def test_vpp_noises_the_prototypes_whenever_its_multiplier_is_positive_also_below_one():
+    from raysim.privacy.prototypes import group_clip, vpp_release
+
+    x = torch.randn(30, 10, generator=torch.Generator().manual_seed(3))
+    y = torch.tensor([0, 1, 2] * 10)
+    out = vpp_release(x, y, R=2.0, rho=0.3, H=0.5, epsilon=50.0, rounds=5, delta=1e-5, sigma_ref=0.5,
+                      generator=torch.Generator().manual_seed(1))
+    assert out["sigma_A"] > 0 and out["sigma_B"] > 0
+    clean = group_clip(x, out["idx_A"], out["idx_B"], 2.0)[y == 0].mean(0)
+    # noise of std >= 0.5 * 2R / 10 = 0.1 per coordinate: far above float rounding
+    assert float((out["prototypes"][0] - clean).abs().max()) > 1e-3

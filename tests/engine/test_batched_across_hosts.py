@@ -1,0 +1,146 @@
+"""Client-batched rounds planned from the participants alone (raysim/engine/batched.py stacked_round): a
+stack's members of other hosts are brought to the host of its first member and back, so a batched run is
+bitwise the same inline on one host, inline on several, and on Ray with 1, 2 and 3 actors, with and without
+DP-SGD; a stack that falls back trains client by client on each client's own host; nothing of a guest is
+kept or checkpointed by the host that trained it."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+from conftest import tiny_config
+
+CLIENTS, STACK = 6, 4  # stacks [0..3] and [4, 5]: with 2 or 3 hosts both span hosts
+
+
+def test_stacks_come_from_the_participants_alone():
+    from raysim.engine.batched import plan_stacks, route_stacks
+
+    assert plan_stacks([5, 0, 3, 1, 2], 2) == [[0, 1], [2, 3], [5]]
+    assert plan_stacks([], 4) == []
+    for hosts in (1, 2, 3):
+        home = {c: c % hosts for c in range(CLIENTS)}
+        r = route_stacks(range(CLIENTS), STACK, home)
+        assert [s for t in sorted(r.lead) for s in r.lead[t]] == [[0, 1, 2, 3], [4, 5]] or hosts > 1
+        for t, stacks in r.lead.items():
+            assert all(home[s[0]] == t for s in stacks)  # the host of a stack's first member trains it
+        guests = sorted(c for by in r.away.values() for cs in by.values() for c in cs)
+        assert guests == sorted(c for s in plan_stacks(range(CLIENTS), STACK) for c in s if home[c] != home[s[0]])
+    r = route_stacks(range(CLIENTS), STACK, {c: c % 3 for c in range(CLIENTS)})
+    assert r.lead == {0: [[0, 1, 2, 3]], 1: [[4, 5]]} and r.away == {1: {0: [1]}, 2: {0: [2], 1: [5]}}
+
+
+def go(tmp_path, cache_dir, tag, *, dp=0.0, **execution):
+    """A tiny batched PromptFL run (6 clients, 4 of them a round, 3 rounds, stack_size 4): its results.csv
+    rows without the wall clock, its final shared tensors and every client's last checkpoint."""
+    from raysim.engine.loop import run
+    from raysim.storage.store import StateStore
+
+    values = dict(train={"num_clients": CLIENTS, "rounds": 3, "batch_size": 8, "n_ctx": 4, "participation": 0.67},
+                  data={"shots": 0, "partition": "dirichlet", "beta": 0.5}, eval={"every": 100, "last": 1},
+                  execution={"batch_clients": True, "stack_size": STACK, **execution})
+    if dp:
+        values["dp"] = {"epsilon": dp}
+    cfg = tiny_config(tmp_path / tag, cache_dir, **values)
+    out = run(cfg).out_dir
+    with open(out / "results.csv") as f:
+        rows = [{k: v for k, v in r.items() if k != "seconds"} for r in csv.DictReader(f)]
+    store = StateStore(out)
+    return rows, store.load_server(2), {c: store.load_client(c, 2) for c in range(CLIENTS)}
+
+
+def assert_bitwise(a, b, tag):
+    rows_a, server_a, clients_a = a
+    rows_b, server_b, clients_b = b
+    assert rows_a == rows_b, tag  # every column as written, to the last digit
+    assert server_a.keys() == server_b.keys()
+    for k in server_a:
+        assert torch.equal(server_a[k], server_b[k]), (tag, k)
+    for c in clients_a:
+        assert (clients_a[c] is None) == (clients_b[c] is None), (tag, c)
+        if clients_a[c] is not None:
+            assert clients_a[c]["privacy"] == clients_b[c]["privacy"], (tag, c)  # calibration and ledger
+            assert clients_a[c]["private"].keys() == clients_b[c]["private"].keys()
+
+
+@pytest.mark.parametrize("dp", [0.0, 4.0])
+def test_inline_on_one_host_or_three_is_bitwise_the_same(tmp_path, cache_dir, dp):
+    ref = go(tmp_path, cache_dir, "one", dp=dp)
+    assert any(r["train_loss"] for r in ref[0])
+    if dp:
+        assert all(ref[2][c] is None or ref[2][c]["privacy"]["ledger"] for c in ref[2])
+    assert_bitwise(ref, go(tmp_path, cache_dir, "three", dp=dp, num_actors=3), "inline, 3 hosts")
+
+
+def test_inline_batched_equals_client_by_client_within_float_tolerance(tmp_path, cache_dir):
+    rows_b, server_b, _ = go(tmp_path, cache_dir, "bat", dp=4.0, num_actors=2)
+    rows_s, server_s, _ = go(tmp_path, cache_dir, "seq", dp=4.0, num_actors=2, batch_clients=False)
+    for a, b in zip(rows_b, rows_s):
+        assert float(a["train_loss"]) == pytest.approx(float(b["train_loss"]), abs=1e-5)  # float reassociation
+    for k in server_b:
+        torch.testing.assert_close(server_b[k], server_s[k], rtol=0, atol=1e-5)  # the same, in the stacked matmuls' order
+
+
+def _two_hosts(tmp_path, cache_dir, *, policy="drop"):
+    from raysim.config.checks import make_method
+    from raysim.engine.backends import InlineBackend
+    from raysim.engine.loop import prepare_data
+
+    cfg = tiny_config(tmp_path, cache_dir, train={"num_clients": 4, "batch_size": 8, "n_ctx": 4},
+                      data={"shots": 0, "partition": "dirichlet", "beta": 0.5}, dp={"epsilon": 4.0},
+                      execution={"num_actors": 2, "stack_size": 4, "on_client_error": policy})
+    data = prepare_data(cfg, make_method(cfg).needs(), progress=False)
+    return InlineBackend(cfg, data, cfg.output.out_dir, -1)
+
+
+def test_guests_are_settled_on_their_own_host(tmp_path, cache_dir):
+    """Host 0 trains the stack [0, 1, 2, 3]; clients 1 and 3 (host 1) come back to host 1, which alone
+    marks them for its checkpoint; host 0 keeps nothing of them."""
+    b = _two_hosts(tmp_path, cache_dir)
+    reports, _ = b.train_round(0, [0, 1, 2, 3])
+    assert [r.client_id for r in reports] == [0, 1, 2, 3] and not any(r.dropped for r in reports)
+    h0, h1 = b.hosts
+    assert h0.dirty == {0, 2} and h1.dirty == {1, 3}
+    assert set(h0.private) == {0, 2} and set(h0.privacy.states) == {0, 2} and not h0.guests
+    assert all(h1.privacy.state(c).ledger is not None for c in (1, 3))  # the guests' ledgers, back home
+    assert reports[1].epsilon == h1.epsilon(1) > 0
+    b.commit(0)
+    assert sorted(p.name for p in (tmp_path / "run" / "state" / "clients").iterdir()) == ["0", "1", "2", "3"]
+
+
+def test_a_raising_stack_goes_client_by_client_on_each_clients_own_host(tmp_path, cache_dir, monkeypatch):
+    ref = _two_hosts(tmp_path / "ref", cache_dir)
+    ref_reports, _ = ref.train_round(0, [0, 1, 2, 3])
+    b = _two_hosts(tmp_path / "broken", cache_dir)
+    seen = []
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the stack broke")
+
+    for h in b.hosts:
+        monkeypatch.setattr(h.method, "batched_local_train", broken)
+        each = h._each_client
+
+        def spy(round_idx, cids, shared, *, phase, _h=h, _each=each):
+            seen.append((b.hosts.index(_h), list(cids)))
+            return _each(round_idx, cids, shared, phase=phase)
+
+        monkeypatch.setattr(h, "_each_client", spy)
+    reports, _ = b.train_round(0, [0, 1, 2, 3])
+    assert seen == [(1, [1, 3])]  # host 1's clients redone at home; host 0's (0, 2) in its own ClientRound
+    assert [(r.client_id, r.dropped) for r in reports] == [(c, False) for c in range(4)]
+    for r, want in zip(reports, ref_reports):
+        assert r.loss == pytest.approx(want.loss, abs=1e-5)  # client by client vs stacked: float reassociation
+    assert b.hosts[0].dirty == {0, 2} and b.hosts[1].dirty == {1, 3}
+
+
+def test_batched_runs_are_bitwise_the_same_inline_and_on_1_2_3_ray_actors(tmp_path, cache_dir, ray_session):
+    """The must-show of issue 29: with DP-SGD on (per-client noise streams and ledgers), stacks that span
+    hosts (6 clients, stack_size 4, participation 2/3): results.csv, the final shared tensors and every
+    client's ledger are bitwise the same on every backend and pool size."""
+    ref = go(tmp_path, cache_dir, "inline", dp=4.0)
+    for n in (1, 2, 3):
+        got = go(tmp_path, cache_dir, f"ray{n}", dp=4.0, backend="ray", num_actors=n, client_cpus=0.25)
+        assert_bitwise(ref, got, f"ray, {n} actors")
