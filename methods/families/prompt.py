@@ -98,15 +98,17 @@ class ClipPromptMethod(Method):
         name = self.batched_context
         ctxs = [shared[name].clone().to(env.device).requires_grad_(True) for _ in jobs]
         opt = sgd(ctxs, self.train)  # SGD is elementwise per tensor (momentum, weight decay): one per client in effect
-        xy = [(j.data.x_train.to(env.device), j.data.y_train.to(env.device)) for j in jobs]
-        plans = [[idx for _ in range(self.train.local_epochs) for idx in privacy.batches(k, j.data.num_train, self.train.batch_size, j.rng)]
+        E = self.train.local_epochs
+        xs = [[j.data.train_inputs(e)[0].to(env.device) for e in range(E)] for j in jobs]  # each epoch's features (data.augment)
+        ys = [j.data.y_train.to(env.device) for j in jobs]
+        plans = [[(e, idx) for e in range(E) for idx in privacy.batches(k, j.data.num_train, self.train.batch_size, j.rng)]
                  for k, j in enumerate(jobs)]  # the rng draws only batches, so drawing them first changes nothing
         losses: list[list[float]] = [[] for _ in jobs]
         for step in range(max((len(p) for p in plans), default=0)):
             active = [k for k, p in enumerate(plans) if step < len(p)]
             text = stacked_text_features(env.prompts, torch.stack([ctxs[k] for k in active]))  # (A, C, D), one forward
-            per_client = [F.cross_entropy(self.logits(env, xy[k][0][plans[k][step]], text[a]), xy[k][1][plans[k][step]],
-                                          reduction="none") for a, k in enumerate(active)]
+            per_client = [F.cross_entropy(self.logits(env, xs[k][plans[k][step][0]][plans[k][step][1]], text[a]),
+                                          ys[k][plans[k][step][1]], reduction="none") for a, k in enumerate(active)]
             opt.zero_grad(set_to_none=True)  # clients out of the stack keep grad None: SGD skips them
             privacy.backward(active, per_client, [{name: ctxs[k]} for k in active])
             opt.step()

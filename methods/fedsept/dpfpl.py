@@ -160,9 +160,10 @@ class DPFPL(ClipPromptMethod):
         G = shared["global_ctx"].clone().to(env.device).requires_grad_(True)
         U, V, S = (private[k].clone().to(env.device).requires_grad_(True) for k in ("U", "V", "residual"))
         opt = sgd([G, U, V, S], self.train)
-        x, y = data.x_train.to(env.device), data.y_train.to(env.device)
+        y = data.y_train.to(env.device)
         losses = []
-        for _ in range(self.train.local_epochs):
+        for epoch in range(self.train.local_epochs):
+            x = data.train_inputs(epoch)[0].to(env.device)  # this epoch's features (a drawn augmented view per image under data.augment)
             batches = list(privacy.batches(data.num_train, self.train.batch_size, rng))
             for i, idx in enumerate(batches):
                 text = env.prompts.text_features(self.prompt(G, U, V, S))

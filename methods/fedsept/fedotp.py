@@ -127,10 +127,11 @@ class FedOTP(ClipPromptMethod):
         ctx = shared["ctx"].clone().to(env.device).requires_grad_(True)
         ctx_local = private["ctx_local"].clone().to(env.device).requires_grad_(True)
         opt = sgd([ctx, ctx_local], self.train)
-        x, y = data.x_train.to(env.device), data.y_train.to(env.device)
-        tok = data.tokens_train if self.patch else None
+        y = data.y_train.to(env.device)
         losses = []
-        for _ in range(self.train.local_epochs):
+        for epoch in range(self.train.local_epochs):
+            x, tok = data.train_inputs(epoch)  # this epoch's features (a drawn augmented view per image under data.augment)
+            x, tok = x.to(env.device), tok if self.patch else None
             for idx in privacy.batches(data.num_train, self.train.batch_size, rng):
                 text = env.prompts.text_features(torch.stack([ctx, ctx_local]))  # (2, C, D)
                 logits = self.forward(env, text, x[idx], None if tok is None else tok[idx])

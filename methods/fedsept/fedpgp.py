@@ -88,10 +88,11 @@ class FedPGP(ClipPromptMethod):
         U = private["U"].clone().to(env.device).requires_grad_(True)
         V = private["V"].clone().to(env.device).requires_grad_(True)
         opt = sgd([G, U, V], self.train)
-        x, y = data.x_train.to(env.device), data.y_train.to(env.device)
+        y = data.y_train.to(env.device)
         t0 = env.prompts.plain_text_features()  # "X X ... X <class>.": no learned context, constant
         terms: dict[str, list[float]] = {"loss": [], "ce": [], "contrast": []}
-        for _ in range(self.train.local_epochs):
+        for epoch in range(self.train.local_epochs):
+            x = data.train_inputs(epoch)[0].to(env.device)  # this epoch's features (a drawn augmented view per image under data.augment)
             for idx in privacy.batches(data.num_train, self.train.batch_size, rng):
                 UV = U @ V
                 t_full, t_global = env.prompts.text_features(torch.stack([G + UV, G])).unbind(0)

@@ -150,9 +150,10 @@ class FedPHA(ClipPromptMethod):
         G = shared["ctx_global"].clone().to(env.device).requires_grad_(True)
         P = private["ctx_local"].clone().to(env.device).requires_grad_(True)
         opt = sgd([G, P], self.train)
-        x, y = data.x_train.to(env.device), data.y_train.to(env.device)
+        y = data.y_train.to(env.device)
         terms: dict[str, list[float]] = {k: [] for k in self.client_metrics}
-        for _ in range(self.train.local_epochs):
+        for epoch in range(self.train.local_epochs):
+            x = data.train_inputs(epoch)[0].to(env.device)  # this epoch's features (a drawn augmented view per image under data.augment)
             for idx in privacy.batches(data.num_train, self.train.batch_size, rng):
                 parts = self.losses(env, G, P, x[idx], y[idx])
                 loss = parts["ce_local"] + parts["ce_global"] + parts["pull"] + parts["push"]  # per example, all weights 1

@@ -203,14 +203,14 @@ class FedSEPT(ClipPromptMethod):
         params = [A] + ([R] if R is not None else [])
         groups = [{"params": params}] + ([{"params": router_params, "weight_decay": 0.0}] if router_params else [])
         opt = sgd(groups, self.train)
-        x, y = data.x_train.to(env.device), data.y_train.to(env.device)
-        tok: torch.Tensor | None = None
-        if self.patch_router:
-            assert data.tokens_train is not None  # needs() asks for the image tokens with the patch router
-            tok = data.tokens_train.to(env.device)
+        y = data.y_train.to(env.device)
         terms: dict[str, list[float]] = {"loss": [], "ce": [], "div": [], "gate": []}
         with seeded(rng):  # router dropout draws from a stream of this (round, client)
-            for _ in range(self.train.local_epochs):
+            for epoch in range(self.train.local_epochs):
+                x, toks = data.train_inputs(epoch)  # this epoch's features (a drawn augmented view per image under data.augment)
+                x = x.to(env.device)
+                assert toks is not None or not self.patch_router  # needs() asks for the image tokens with the patch router
+                tok = toks.to(env.device) if self.patch_router and toks is not None else None
                 for idx in privacy.batches(data.num_train, self.train.batch_size, rng):
                     logits, pi = self.forward(env, A, R, router, x[idx], tokens=None if tok is None else tok[idx])
                     ce = F.cross_entropy(logits, y[idx], reduction="none")

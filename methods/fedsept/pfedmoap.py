@@ -176,9 +176,10 @@ class PFedMoAP(ClipPromptMethod):
         gating = self._gating(env, private)
         gating_params = list(gating.parameters()) if expert_text is not None else []  # unused without experts
         opt = sgd([{"params": [ctx]}] + ([{"params": gating_params}] if gating_params else []), self.train)
-        x, y = data.x_train.to(env.device), data.y_train.to(env.device)
+        y = data.y_train.to(env.device)
         losses = []
-        for _ in range(self.train.local_epochs):
+        for epoch in range(self.train.local_epochs):
+            x = data.train_inputs(epoch)[0].to(env.device)  # this epoch's features (a drawn augmented view per image under data.augment)
             for idx in privacy.batches(data.num_train, self.train.batch_size, rng):
                 logits = self.forward(env, gating, ctx, x[idx], expert_text)
                 loss = F.cross_entropy(logits, y[idx], reduction="none")

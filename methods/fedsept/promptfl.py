@@ -29,9 +29,10 @@ class PromptFL(ClipPromptMethod):
     def local_train(self, env, shared, private, data: ClientData, *, rng, privacy) -> LocalResult:
         ctx = shared["ctx"].clone().to(env.device).requires_grad_(True)
         opt = sgd([ctx], self.train)
-        x, y = data.x_train.to(env.device), data.y_train.to(env.device)
+        y = data.y_train.to(env.device)
         losses = []
-        for _ in range(self.train.local_epochs):
+        for epoch in range(self.train.local_epochs):
+            x = data.train_inputs(epoch)[0].to(env.device)  # this epoch's features (a drawn augmented view per image under data.augment)
             for idx in privacy.batches(data.num_train, self.train.batch_size, rng):
                 text = env.prompts.text_features(ctx)
                 loss = F.cross_entropy(self.logits(env, x[idx], text), y[idx], reduction="none")

@@ -25,6 +25,7 @@ from raysim.config.load import (
     parse_user_overrides,
 )
 from raysim.config.schema import (
+    AUGMENT_CHOICES,
     BACKEND_NAMES,
     KEEP_CLIENT_STATES,
     ON_CLIENT_ERROR,
@@ -178,6 +179,10 @@ def validate(cfg: RunConfig) -> None:
     from raysim.privacy.mechanisms import check_method
 
     method = make_method(cfg)
+    from raysim.data.augment import augment_mode
+
+    # data.augment=official where it cannot apply (a method training its own image model, a pooled partition) stops here
+    augment_mode(cfg.data.augment, cfg.data.dataset, partition=cfg.data.partition, input_kind=method.needs().input)
     check_method(method, method.dp)  # a method/dp combination that cannot be made private stops here (method.dp: the run's,
     # or the run's as the method's own privacy knob refines it, e.g. vpdr_fedproto.privacy=vpdr sets dp.prototypes=vpp)
 
@@ -194,6 +199,22 @@ def _validate_data(d: DataConfig) -> None:
     _check(d.min_samples >= 0, f"data.min_samples must be >= 0 (0 = the partition's default), got {d.min_samples}")
     _check((d.partition == "stored") == (d.dataset == "pfllib"),
            "data.partition=stored (the clients a folder stores) goes with data.dataset=pfllib, and only with it")
+    _check(d.augment in AUGMENT_CHOICES,
+           f"data.augment must be one of {', '.join(AUGMENT_CHOICES)} (auto = the official code's augmentation for the CoOp "
+           f"and domain datasets, off elsewhere), got {d.augment!r}")
+    _check(1 <= d.augment_views <= MAX_AUGMENT_VIEWS,
+           f"data.augment_views must be between 1 and {MAX_AUGMENT_VIEWS} (augmented views per training image, each encoded "
+           f"once and cached), got {d.augment_views}")
+    if d.augment == "official":
+        from raysim.data.augment import augmentable
+        from raysim.data.partition import is_pooled
+
+        _check(not is_pooled(d.partition),
+               f"data.augment=official cannot go with data.partition={d.partition}: it pools train and test, so a client's "
+               "training row may be another's test row; set data.augment=off (or auto)")
+        _check(augmentable(d.dataset),
+               f"data.augment=official needs a dataset of image files or arrays ({', '.join(sorted(augmentable()))}); "
+               f"data.dataset={d.dataset} has no images to augment: set data.augment=off (or auto)")
     _check(d.partition != "pfllib" or d.shots == 0,
            f"data.partition=pfllib is PFLlib's protocol, which keeps every sample of each client; set data.shots=0 (got {d.shots})")
 
@@ -205,6 +226,7 @@ MAX_LOCAL_EPOCHS = 10_000
 MAX_BATCH_SIZE = 1_000_000
 MAX_N_CTX = 1_000
 MAX_CTX_INIT_CHARS = 1_000
+MAX_AUGMENT_VIEWS = 256  # features of every view are held in memory: N x views x D floats
 
 
 def _at_most(value: int, limit: int, key: str) -> None:

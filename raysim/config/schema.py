@@ -19,6 +19,8 @@ ON_CLIENT_ERROR = ("fail", "drop")
 KEEP_CLIENT_STATES = ("auto", "last", "all")
 # execution.backend choices, by name (raysim.engine.backends.BACKENDS holds their classes; a test checks the two agree)
 BACKEND_NAMES = ("inline", "ray")
+# data.augment choices (raysim/data/augment.py): auto = official where the official FedSEPT code augments, else off
+AUGMENT_CHOICES = ("auto", "off", "official")
 
 RESUMABLE = {"resume": True}  # field metadata: the key may change when a run is resumed (it does not change results)
 
@@ -94,6 +96,12 @@ class DataConfig:
     # redraw the Dirichlet split until every client has this many samples; 0 = the partition's default:
     # dirichlet 10 train and 10 test samples, pfllib 40 samples in all (PFLlib's least_samples)
     min_samples: int = 0
+    # training augmentation of frozen-feature methods (raysim/data/augment.py): "official" = the official FedSEPT
+    # code's RandomResizedCrop(scale 0.08-1) + horizontal flip, `augment_views` views per training image encoded
+    # once, one drawn per image per local epoch; "off" = the test transform for training too; "auto" = official
+    # for the CoOp and domain datasets (where the official code augments), off elsewhere (synthetic, digits, CIFAR, ...)
+    augment: str = "auto"
+    augment_views: int = 8  # augmented views per training image (the official code draws a fresh one every epoch)
     # data.dataset=pfllib: the folder's config.json, recorded here when the config is built (not set by hand)
     folder_config: dict[str, Any] = field(default_factory=dict)
 

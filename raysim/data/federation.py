@@ -33,6 +33,10 @@ class FederationData:
     tok_train: Optional[np.ndarray] = None  # image-tower tokens (N, K, width), for "features+tokens" methods
     tok_test: Optional[np.ndarray] = None
     client_domains: Optional[list[str]] = None  # each client's (majority) training domain, for datasets with domains
+    # training augmentation (data.augment): features (N_train, V, D) of V augmented views of every training image,
+    # and their tokens (N_train, V, K, width) for "features+tokens" methods; None = train on x_train as it is
+    x_views: Optional[np.ndarray] = None
+    tok_views: Optional[np.ndarray] = None
 
     @property
     def num_clients(self) -> int:
@@ -43,9 +47,11 @@ class FederationData:
         tr, te = as_tensor(self.train_idx[cid]), as_tensor(self.test_idx[cid])
         xtr, ytr, xte, yte = (as_tensor(a) for a in (self.x_train, self.y_train, self.x_test, self.y_test))
         ttr, tte = (None if a is None else as_tensor(a) for a in (self.tok_train, self.tok_test))
+        xv, tv = (None if a is None else as_tensor(a) for a in (self.x_views, self.tok_views))
         return ClientData(
             cid, xtr[tr], ytr[tr], xte[te], yte[te], len(self.classnames),
             tokens_train=None if ttr is None else ttr[tr], tokens_test=None if tte is None else tte[te],
+            views_train=None if xv is None else xv[tr], token_views_train=None if tv is None else tv[tr],
         )
 
 

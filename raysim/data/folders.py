@@ -4,9 +4,10 @@ Every loader here reads from `LoadSpec.data_root` and never fetches anything, ex
 `download=true` (passed through to torchvision). The layouts each loader expects are in `LAYOUTS`
 (quoted by the README and by every `DataError` raised here; see SPEC section 4).
 
-Transforms are deterministic on purpose, for the training split as well: the engine computes frozen
-CLIP features once per image and caches them, so random augmentation (RandomResizedCrop, flips) would be
-frozen into a single arbitrary draw anyway. Two transforms are used:
+The transforms below are deterministic: every image's features are computed once with the test transform and
+cached. Training augmentation (data.augment, raysim/data/augment.py: the official code's RandomResizedCrop and
+flips) is a separate, seeded function of the image, `ImageItems.augment`, set on every training split here; its
+views are encoded once too, and one view per image is drawn per local epoch. Two deterministic transforms are used:
 
 - ``"tensor-resize"`` (CIFAR): ToTensor, Resize(image_size, bicubic), Normalize(spec.mean, spec.std).
 - ``"resize-centercrop"`` (all image folders): resize the shorter side to image_size (bicubic),
@@ -91,9 +92,11 @@ class ImageItems(Dataset):
 
     `items` is either a list of file paths or a uint8 array (N, H, W, 3) of in-memory images (CIFAR)."""
 
-    def __init__(self, items: Sequence[str] | np.ndarray, transform: Callable[[Image.Image], Any]) -> None:
+    def __init__(self, items: Sequence[str] | np.ndarray, transform: Callable[[Image.Image], Any],
+                 augment: Optional[Callable[[Image.Image, Any], Any]] = None) -> None:
         self.items = items
         self.transform = transform
+        self.augment = augment  # (image, torch.Generator) -> tensor: the training augmentation (raysim/data/crop.py)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -127,13 +130,20 @@ def make_signature(name: str, root: str, files: Sequence[str], n: int, spec: Loa
     )
 
 
+def _augment(spec: LoadSpec):
+    """The training augmentation of a training split (used only when data.augment resolves to official)."""
+    from raysim.data.crop import make_augment
+
+    return make_augment(spec.image_size, spec.mean, spec.std)
+
+
 def _root(spec: LoadSpec) -> str:
     return os.path.abspath(os.path.expanduser(str(spec.data_root)))
 
 
-def _subset(items: list[str] | np.ndarray, labels, domains, transform) -> ImageSet:
+def _subset(items: list[str] | np.ndarray, labels, domains, transform, augment=None) -> ImageSet:
     return ImageSet(
-        images=ImageItems(items, transform),
+        images=ImageItems(items, transform, augment),
         labels=np.asarray(labels, dtype=np.int64),
         domains=None if domains is None else np.asarray(domains, dtype=np.int64),
     )
@@ -176,7 +186,7 @@ def _load_cifar(name: str, spec: LoadSpec) -> DatasetBundle:
     return DatasetBundle(
         name=name,
         classnames=classnames,
-        train=_subset(parts["train"].data, parts["train"].targets, None, transform),
+        train=_subset(parts["train"].data, parts["train"].targets, None, transform, _augment(spec)),
         test=_subset(parts["test"].data, parts["test"].targets, None, transform),
         signature=make_signature(name, folder, files, n, spec, tf_name),
         meta={"root": folder, "transform": tf_name},
@@ -261,7 +271,7 @@ def _load_coop(name: str, spec: LoadSpec) -> DatasetBundle:
 
     def part(k: str) -> ImageSet:
         paths = [os.path.join(image_dir, p) for p, _, _ in entries[k]]
-        return _subset(paths, [y for _, y, _ in entries[k]], None, transform)
+        return _subset(paths, [y for _, y, _ in entries[k]], None, transform, _augment(spec) if k == "train" else None)
 
     files = [f"{k}:{p}:{y}" for k in ("train", "test") for p, y, _ in entries[k]]
     return DatasetBundle(
@@ -414,7 +424,7 @@ def _load_domains(name: str, spec: LoadSpec) -> DatasetBundle:
     return DatasetBundle(
         name=name,
         classnames=[_pretty(c) for c in classes],
-        train=_subset(tr["items"], tr["labels"], tr["domains"], transform),
+        train=_subset(tr["items"], tr["labels"], tr["domains"], transform, _augment(spec)),
         test=_subset(te["items"], te["labels"], te["domains"], transform),
         domain_names=list(lay.domains),
         signature=make_signature(name, base, files, len(files), spec, tf_name),
@@ -534,7 +544,7 @@ def load_tiny_imagenet(spec: LoadSpec) -> DatasetBundle:
     return DatasetBundle(
         name="tiny_imagenet",
         classnames=classnames,
-        train=_subset(tr_paths, tr_labels, None, transform),
+        train=_subset(tr_paths, tr_labels, None, transform, _augment(spec)),
         test=_subset(te_paths, te_labels, None, transform),
         signature=make_signature("tiny_imagenet", base, files, len(files), spec, tf_name),
         meta={"root": base, "transform": tf_name, "val_layout": val_layout, "classnames_from": names_from, "wnids": wnids},

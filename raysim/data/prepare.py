@@ -4,6 +4,7 @@ reader (raysim.storage.runfolder) and the attacks all rebuild a run's data throu
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
@@ -15,12 +16,15 @@ from raysim.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger(__name__)
+
 
 def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationData:
     """Load the dataset, partition it, and (for CLIP methods) compute or load frozen image features;
     `needs` is the method's declared `Needs` (input kind and size, image tokens)."""
     from raysim.data import DATASETS, LoadSpec, PartitionSpec, partition
-    from raysim.data.features import cached_image_features
+    from raysim.data.augment import augment_mode
+    from raysim.data.features import cached_image_features, cached_view_features
     from raysim.data.partition import is_pooled
     from raysim.models.clip import ModelSpec, load_clip, register_builtin_configs, resolve_device
 
@@ -65,6 +69,8 @@ def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationDat
     else:
         splits = partition(cfg.data.partition, pspec)
     ttr = tte = None
+    x_views = tok_views = None
+    augment = augment_mode(cfg.data.augment, cfg.data.dataset, partition=cfg.data.partition, input_kind=needs.input)
     if needs.input == "features":
         tokens = needs.tokens
         xtr, xte, *toks = cached_image_features(
@@ -81,6 +87,15 @@ def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationDat
                     "(e.g. model=raysim-tiny, or a ViT checkpoint from `raysim pretrain --vision vit`) or the method's pooled "
                     "mode (fedsept.router=pooled, fedotp.tokens=pooled)"
                 )
+        if augment == "official":  # V augmented views of every training image, encoded once (raysim/data/augment.py)
+            log.info("data.augment=%s (%s): %d augmented views per training image", augment, cfg.data.augment, cfg.data.augment_views)
+            views = cached_view_features(
+                bundle, views=cfg.data.augment_views, seed=cfg.train.seed,
+                model_spec=ModelSpec(cfg.model.name, cfg.model.pretrained, cache_dir=cfg.output.cache_dir), image_size=size,
+                cache_dir=cfg.output.cache_dir, device=resolve_device(cfg.execution.device), progress=progress, tokens=tokens,
+            )
+            x_views = views[0].numpy()
+            tok_views = views[1].numpy() if tokens else None
     else:
         xtr, xte = materialize_images(bundle.train.images), materialize_images(bundle.test.images)
     x_train, x_test = xtr.numpy(), xte.numpy()  # features (N, D) or images (N, 3, S, S)
@@ -103,6 +118,8 @@ def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationDat
         tok_train=tok_train,
         tok_test=tok_test,
         client_domains=client_domains(bundle, splits),
+        x_views=x_views,
+        tok_views=tok_views,
     )
 
 

@@ -25,7 +25,7 @@ replayed client by client from the same state (nothing was charged or stored), e
 which applies on_client_error exactly as always; a run with a client_timeout never stacks. Otherwise each
 client's result is judged (a non-finite upload is a failure) and settled under the run's policy by
 raysim/engine/client_round.py, the module the client-by-client path uses; this one touches the host only
-through its public interface (`private_state`, `client_data`, `open_privacy`, `is_home`, `local_step`, ...,
+through its public interface (`private_state`, `round_data`, `open_privacy`, `is_home`, `local_step`, ...,
 `client_round.RoundHost`).
 """
 
@@ -277,7 +277,7 @@ def _one_stack(host: "ClientHost", clients: ClientRound, round_idx: int, cids: l
         if not StackPrivacy.supports(handles):
             back_out("this round's privacy steps are not stackable")
             return None
-        jobs = [ClientJob(host.private_state(cid), host.client_data(cid), generator(host.cfg.train.seed, "train", round_idx, cid))
+        jobs = [ClientJob(host.private_state(cid), host.round_data(cid, round_idx), generator(host.cfg.train.seed, "train", round_idx, cid))
                 for cid in cids]
         train = getattr(host.method, "batched_local_train")  # noqa: B009 - what supports_batching() promised
         results = train(host.env, shared, jobs, privacy=StackPrivacy(handles))

@@ -178,6 +178,9 @@ class RoundHost(Protocol):
     def client_data(self, cid: int) -> "ClientData":
         """The client's data slice."""
 
+    def round_data(self, cid: int, round_idx: int) -> "ClientData":
+        """The client's data for its local step in round `round_idx` (its augmented views drawn, data.augment)."""
+
     def private_state(self, cid: int) -> dict[str, Any]:
         """The client's private state (its initial one before its first participation)."""
 

@@ -120,6 +120,12 @@ class ClientHost:
         """The client lives on this host (not a guest of its stacks)."""
         return cid in self.data
 
+    def round_data(self, cid: int, round_idx: int) -> ClientData:
+        """The client's data for its local step in round `round_idx`: its slice, with one augmented view per
+        training image per local epoch drawn from the (round, client) stream when data.augment is on
+        (`ClientData.for_round`; the slice itself otherwise)."""
+        return self.client_data(cid).for_round(self.cfg.train.seed, round_idx, self.cfg.train.local_epochs)
+
     def private_state(self, cid: int) -> dict[str, Any]:
         """The client's private state (its initial one, from its own seeded stream, before its first participation)."""
         if cid not in self.private:
@@ -245,7 +251,7 @@ class ClientHost:
         step = self.method.local_release if phase == "release" else self.method.local_train
 
         def one(cid: int, privacy: Any) -> Any:
-            return step(self.env, shared, self.private_state(cid), self.client_data(cid),
+            return step(self.env, shared, self.private_state(cid), self.round_data(cid, round_idx),
                         rng=generator(self.cfg.train.seed, phase, round_idx, cid), privacy=privacy)
 
         return one

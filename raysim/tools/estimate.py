@@ -38,6 +38,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from raysim.data.augment import augment_mode
+
 THROUGHPUT = 40e12  # FLOP/s
 MODEL_FLOPS = {  # name -> (text forward per caption, image forward per image), FLOPs
     "ViT-B-16": (5.9e9, 17.6e9),
@@ -97,7 +99,8 @@ def estimate(cfg: Any) -> dict[str, float]:
     backward = 3.0
     if cfg.dp.enabled and cfg.dp.microbatch > 0:
         backward = 1.0 + 2.0 * math.ceil(cfg.train.batch_size / cfg.dp.microbatch)
-    views = int(getattr(cfg.data, "augment_views", 1) or 1) if getattr(cfg.data, "augment", "off") != "off" else 1
+    on = augment_mode(cfg.data.augment, cfg.data.dataset, partition=cfg.data.partition) == "official"
+    views = cfg.data.augment_views if on else 1  # data.augment resolved per dataset (auto: off for CIFAR)
     evals = len({r for r in range(cfg.train.rounds) if (r + 1) % cfg.eval.every == 0 or r >= cfg.train.rounds - cfg.eval.last})
     flops = (steps * backward * passes * classes * f_text + n_k * K * views * f_image + n_test * f_image
              + evals * K * max(passes, 1) * classes * f_text)
