@@ -181,8 +181,11 @@ def validate(cfg: RunConfig) -> None:
     method = make_method(cfg)
     from raysim.data.augment import augment_mode
 
-    # data.augment=official where it cannot apply (a method training its own image model, a pooled partition) stops here
-    augment_mode(cfg.data.augment, cfg.data.dataset, partition=cfg.data.partition, input_kind=method.needs().input)
+    # data.augment=official where it cannot apply (a method training its own image model, a pooled partition) stops
+    # here; auto never refuses (it resolves to off there), so only official asks the method (whose needs() may read
+    # its backbone's config, absent in a dry run)
+    if cfg.data.augment == "official":
+        augment_mode(cfg.data.augment, cfg.data.dataset, partition=cfg.data.partition, input_kind=method.needs().input)
     check_method(method, method.dp)  # a method/dp combination that cannot be made private stops here (method.dp: the run's,
     # or the run's as the method's own privacy knob refines it, e.g. vpdr_fedproto.privacy=vpdr sets dp.prototypes=vpp)
 
