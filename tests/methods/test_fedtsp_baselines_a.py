@@ -409,3 +409,28 @@ def test_fedproto_local_loss_is_ce_plus_lambda_times_the_prototype_mse():
             want += lam * float(proto_mse(feats, data.y_train, shared["protos"], shared["has"] > 0.5))
         r = m.local_train(env, shared, private, data, rng=torch.Generator().manual_seed(2), privacy=NoDP())
         assert r.metrics["loss"] == pytest.approx(want, rel=1e-5)
+
+
+def test_fedproto_head_protocol_uploads_the_trained_models_class_means_and_keeps_that_model():
+    """protocol=head: the upload is the class means of f(x) over the training set from the model training
+    produced (eval mode), and that model is what the client keeps; the run is a function of its rng
+    (shuffled batches) and reports its sample count (the engine's weight)."""
+    data = _data()
+    m = _method("fedproto", TrainConfig(batch_size=4, local_epochs=1, lr=0.05), protocol="head", shuffle=True)
+    env = _env(m)
+    private = m.init_private(env, data, torch.Generator().manual_seed(0))
+    shared = m.init_shared(env, torch.Generator())
+    r = m.local_train(env, shared, private, data, rng=torch.Generator().manual_seed(3), privacy=NoDP())
+    assert r.num_samples == data.num_train
+    assert any(not torch.equal(r.private["model"][k], private["model"][k]) for k in private["model"])
+    kept = m.model(env, r.private).eval()
+    with torch.no_grad():
+        feats = kept.features(data.x_train)
+    want = torch.stack([feats[data.y_train == c].mean(0) for c in range(C)])
+    # the same float32 forward of the same weights, averaged over 4 rows a class: 1e-5
+    torch.testing.assert_close(r.upload["protos"], want, rtol=1e-5, atol=1e-5)
+    # the same rng gives the same run; another rng another batch order, so other weights
+    again = m.local_train(env, shared, private, data, rng=torch.Generator().manual_seed(3), privacy=NoDP())
+    other = m.local_train(env, shared, private, data, rng=torch.Generator().manual_seed(4), privacy=NoDP())
+    torch.testing.assert_close(again.upload["protos"], r.upload["protos"], rtol=0, atol=1e-6)  # one CPU, same ops
+    assert not torch.allclose(other.upload["protos"], r.upload["protos"], atol=1e-4)

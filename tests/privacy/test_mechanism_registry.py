@@ -65,6 +65,7 @@ def test_every_release_kind_resolves_under_every_valid_dp_setting(kind):
         if not dp.enabled:  # DP off: nothing is privatised; a public upload is still declared public
             mech = resolve(_spec(kind), dp, what="x")
             assert (mech.name if mech else None) == ("public" if kind == "public" else None)
+            assert mech is None or mech.dp is dp  # built on the run's dp section, as under DP
             continue
         want = EXPECTED[kind, dp.level]
         if want is None:
