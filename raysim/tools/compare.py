@@ -23,7 +23,9 @@ rules), as many at once as fit (`--max-concurrent N`; 1 runs them one after anot
 reserving what it needs: an inline run execution.num_threads CPUs, a Ray-backend run a placement group of
 its actors' bundles (as a sweep trial). Results are bitwise those of the runs made one by one. The
 comparison is resumable: a finished run is read back, an interrupted one is resumed (`output.resume`), so
-running the same command again completes a table without redoing work. It writes OUT/table.md, table.csv and
+running the same command again completes a table without redoing work. A cell whose config equals an
+earlier cell's in all but its output folder (a no-DP row under a grid over dp.epsilon) is not run again: it
+reads that run (the log and the dry run say which). It writes OUT/table.md, table.csv and
 table.png (plus the layout's own figures) and prints the Markdown.
 """
 
@@ -231,18 +233,41 @@ def plan(spec: CompareSpec, out: Path) -> list[tuple[dict[str, Any], Entry, Path
     return configs
 
 
+def same_runs(configs: Sequence[tuple[dict[str, Any], Entry, Path, Any]]) -> dict[int, int]:
+    """{i: j} for every planned run i whose config equals that of an earlier run j in all but its output
+    section (e.g. a no-DP row under a grid over dp.epsilon: the same run in every epsilon column). Such a
+    run is made once, and its cells read run j's folder."""
+    from raysim.storage.runfolder import flat
+
+    first: dict[str, int] = {}
+    same: dict[int, int] = {}
+    for i, (_, _, _, cfg) in enumerate(configs):
+        key = repr(sorted((k, repr(v)) for k, v in flat(cfg).items() if not k.startswith("output.")))
+        if key in first:
+            same[i] = first[key]
+        else:
+            first[key] = i
+    return same
+
+
 def execute(spec: CompareSpec, out: Path, *, log: Callable[[str], None], max_concurrent: int = 1) -> list[RunRecord]:
     """Run every (cell, entry, seed) not finished yet in out/; resume interrupted ones. Every folder is
     checked (finished / partial / other settings: refused) before the first run starts. max_concurrent 1:
     one after another in this process; otherwise as Ray tasks on the cluster (0: as many as it holds),
     raysim/tools/compare_ray.py."""
     configs = plan(spec, out)
-    states = [earlier_run(folder, cfg) for _, _, folder, cfg in configs]
+    same = same_runs(configs)
+    states = ["same" if i in same else earlier_run(folder, cfg) for i, (_, _, folder, cfg) in enumerate(configs)]
     records: list[Optional[RunRecord]] = [None] * len(configs)
     todo = []
     t_all = time.perf_counter()
     for i, ((cell, entry, folder, cfg), state) in enumerate(zip(configs, states)):
         name = run_name(entry, cell, cfg, spec)
+        if state == "same":
+            j = same[i]
+            log(f"[{i + 1}/{len(configs)}] {name}: the same config as [{j + 1}] {run_name(configs[j][1], configs[j][0], configs[j][3], spec)}"
+                f" (only its cell differs); made once, read from {configs[j][2]}")
+            continue
         if state == "finished":
             log(f"[{i + 1}/{len(configs)}] {name}: done earlier, read from {folder}")
             records[i] = RunRecord(entry, cell, folder, 0.0, seed=cfg.train.seed if spec.seeds else None)
@@ -269,7 +294,12 @@ def execute(spec: CompareSpec, out: Path, *, log: Callable[[str], None], max_con
     for i in todo:
         cell, entry, folder, cfg = configs[i]
         records[i] = RunRecord(entry, cell, folder, seconds[i], seed=cfg.train.seed if spec.seeds else None)
-    log(f"compare: {len(configs)} runs in {time.perf_counter() - t_all:.0f}s")
+    for i, j in same.items():  # the cell of run i, the results of run j
+        cell, entry, _, cfg = configs[i]
+        records[i] = RunRecord(entry, cell, configs[j][2], 0.0, seed=cfg.train.seed if spec.seeds else None)
+    made = len(configs) - len(same)
+    log(f"compare: {len(configs)} cells" + (f" from {made} distinct runs" if same else "") +
+        f" in {time.perf_counter() - t_all:.0f}s")
     return [r for r in records if r is not None]
 
 
@@ -335,13 +365,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from raysim.tools.estimate import estimate
 
             runs = plan(spec, out)  # configs only: no data, no weights are loaded
+            same = same_runs(runs)
             total = 0.0
-            for cell, entry, folder, cfg in runs:
+            for i, (cell, entry, folder, cfg) in enumerate(runs):
+                if i in same:
+                    print(f"{run_name(entry, cell, cfg, spec)}: the same run as {run_name(runs[same[i]][1], runs[same[i]][0], cfg, spec)}"
+                          f" (made once) -> {runs[same[i]][2]}")
+                    continue
                 hours = estimate(cfg)["gpu_hours"]
                 total += hours
                 print(f"{run_name(entry, cell, cfg, spec)}: {cfg.method}, {cfg.train.rounds} rounds, ~{hours:.3g} GPU-hours -> {folder}")
             print(f"estimated GPU-hours: {total:.3g} (FLOP-based, raysim/tools/estimate.py)")
-            print(f"{len(runs)} runs, layout {spec.layout}", file=sys.stderr)
+            print(f"{len(runs) - len(same)} runs for {len(runs)} cells, layout {spec.layout}", file=sys.stderr)
             return 0
         records = execute(spec, out, log=lambda s: print(s, file=sys.stderr, flush=True), max_concurrent=args.max_concurrent)
     except RaysimError as e:

@@ -121,3 +121,29 @@ def test_table_caption_names_each_rows_privacy_and_the_methods_backbone(tmp_path
     line = describe(recs, CompareSpec(methods=[r.entry for r in recs], layout="vpdr"))
     assert "dp.epsilon per row: 1 / no DP" in line
     assert "backbone raysim-vit" in line and "raysim-clip" not in line
+
+
+def test_a_row_whose_config_the_grid_does_not_change_runs_once(tmp_path, capsys):
+    """A no-DP row under a grid over dp.epsilon is the same run in every column: made once, read into each
+    cell (the same numbers), counted once in the dry run's estimate; the DP row runs per column."""
+    from raysim.tools.compare import main
+
+    out = tmp_path / "cmp"
+    args = [str(tmp_path / "spec.yaml"), "--rounds", "1", "--out", str(out), "--max-concurrent", "1", *TINY]
+    (tmp_path / "spec.yaml").write_text(
+        "methods:\n  - {label: nodp, method: promptfl, dp: {epsilon: .inf}}\n  - {label: dp, method: promptfl}\n"
+        "grid: {dp.epsilon: [1.0, 2.0]}\n")
+    assert main([*args, "--dry-run"]) == 0
+    cap = capsys.readouterr()
+    assert "3 runs for 4 cells" in cap.err and cap.out.count("the same run as nodp [epsilon=1.0] (made once)") == 1
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "made once" in err and "4 cells from 3 distinct runs" in err
+    assert not (out / "epsilon_2.0" / "nodp").exists()  # nothing was run there
+    rows = {r[0]: r[1:] for r in csv.reader(open(out / "table.csv"))}
+    half = len(rows["nodp"]) // 2
+    assert rows["nodp"][:half] == rows["nodp"][half:]  # one run's numbers, read into both epsilon columns
+    # and again: the distinct runs are read back, the repeated one is still not made
+    assert main(args) == 0
+    again = capsys.readouterr().err
+    assert again.count("done earlier") == 3 and "made once" in again
