@@ -61,6 +61,9 @@ class Needs:
     image_size: int = 0  # images: the input size the method's models take (0 = the CLIP model's)
     tokens: bool = False  # also the frozen image tower's token sequences (predict(features, tokens))
     server_classnames: bool = True  # False: the server sees "class i" only (e.g. FedTSP's private variant)
+    # images: the training augmentation the method's official code applies to them (Method.image_augment), which
+    # data.augment=official turns on; "" = none
+    image_augment: str = ""
 
 
 @dataclass
@@ -153,6 +156,10 @@ class Method:
     eval_options: ClassVar[tuple[str, ...]] = ()  # numeric options the predictor reads (changing one changes the logits)
     averaged: ClassVar[tuple[str, ...]] = ()  # uploads the server replaces by their sample-weighted mean (FedAvg)
     trains: ClassVar[bool] = True  # False: nothing is learnt (zero-shot)
+    # methods training on images: the training augmentation their official code applies ("pad-crop-flip": the VPDR
+    # code's RandomCrop(size, padding 4) + horizontal flip, raysim/data/padcrop.py), turned on by data.augment; "" = none.
+    # A class attribute, so that the config check reads it without building the method's models (`needs` may)
+    image_augment: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

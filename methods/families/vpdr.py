@@ -27,6 +27,11 @@ the head for CE, accuracy-in-training and the framework's losses ("feat"); an EM
 gives KD KL(softmax(t(z)/tau) || softmax(head(z_hat)/tau)) tau^2 with weight 0.05, skipped for the first 5
 steps of the client's lifetime (the counter is never reset across rounds). Testing uses head(z), no clip.
 
+Training augmentation (data.augment=official, the default `auto` on vpdr_digits, pacs and office_caltech10: the
+VPDR code's RandomCrop(224, padding 4) + horizontal flip, raysim/data/padcrop.py): every pass over the training
+images, each local epoch and the release's (the code computes its prototypes through its training loader), reads
+them through `data.train_batch(idx, epoch)`, freshly cropped and flipped; testing reads them as they are.
+
 Round order (SPEC 3.4), the engine's two-phase round (`release_first`, raysim/engine/backends.py). Per round t:
 (a) every participating client's `local_release` uploads the `release` hook's noisy prototypes of its
 current model (in round 1 the untrained adapters; eval mode, un-soft-clipped features), each through the
@@ -78,6 +83,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from raysim.data.padcrop import NAME as PAD_CROP_FLIP
 from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, EnvSpec, LocalResult, Method, Needs, TrainConfig, Upload
 from raysim.methods.families.prototype import COUNTS_NOTE
@@ -223,6 +229,7 @@ class VPDRMethod(Method):
     releases: ClassVar[dict[str, ReleaseSpec]] = {"protos": prototype(), "counts": public(COUNTS_NOTE)}
     loss_names: ClassVar[tuple[str, ...]] = ("ce",)
     release_first: ClassVar[bool] = True  # SPEC 3.4: release, aggregate, broadcast, then train (module docstring)
+    image_augment: ClassVar[str] = PAD_CROP_FLIP  # the code's RandomCrop(224, padding 4) + flip, under data.augment
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -253,7 +260,8 @@ class VPDRMethod(Method):
                                    resnet_weights=o.resnet_weights)
 
     def needs(self) -> Needs:
-        return Needs(input="images", image_size=max(backbone_image_size(c.backbone) for c in self.client_configs()))
+        return Needs(input="images", image_size=max(backbone_image_size(c.backbone) for c in self.client_configs()),
+                     image_augment=self.image_augment)
 
     # -- env and the client's model ------------------------------------------------------------
     def build_env(self, spec: EnvSpec, *, role: str) -> VPDREnv:
@@ -304,10 +312,14 @@ class VPDRMethod(Method):
 
     @torch.no_grad()
     def train_features(self, env: VPDREnv, model: ViTAdapterNet, data: ClientData, batch: int = 256, test: bool = False) -> Tensor:
-        """(N, d) features z (adapter path, un-clipped, eval mode) of the client's training (or test) set."""
+        """(N, d) features z (adapter path, un-clipped, eval mode) of the client's training set as the release's pass
+        sees it (its drawn crops under data.augment), or of its test set."""
         model.eval()
-        x = data.x_test if test else data.x_train
-        return torch.cat([model.features(x[i : i + batch].to(env.device)).float().cpu() for i in range(0, x.shape[0], batch)])
+        if test:
+            return torch.cat([model.features(data.x_test[i : i + batch].to(env.device)).float().cpu()
+                              for i in range(0, data.x_test.shape[0], batch)])
+        return torch.cat([model.features(data.train_batch(torch.arange(i, min(i + batch, data.num_train)), device=env.device)).float().cpu()
+                          for i in range(0, data.num_train, batch)])
 
     # -- hooks (frameworks override) -------------------------------------------------------------
     def round_context(self, env: VPDREnv, shared: dict[str, Tensor], private: dict[str, Any], data: ClientData) -> Any:
@@ -360,9 +372,9 @@ class VPDRMethod(Method):
         sums: dict[str, float] = {}
         n_batches = 0
         model.train()
-        for _ in range(self.train.local_epochs):
+        for epoch in range(self.train.local_epochs):
             for idx in epoch_batches(data.num_train, self.train.batch_size, rng, shuffle=True):
-                x, y = data.x_train[idx].to(env.device), data.y_train[idx].to(env.device)
+                x, y = data.train_batch(idx, epoch, device=env.device), data.y_train[idx].to(env.device)
                 z = model.features(x)
                 feat = soft_clip(z, R=R, gamma=o.soft_clip_gamma, expand=o.expand) if self.dcr else z
                 logits = model.head_logits(feat)

@@ -194,8 +194,8 @@ class VPDRMPFT(VPDRMethod):
 
     def release_features(self, env, model, data):
         model.eval()
-        return torch.cat([backbone_path_features(model, data.x_train[i : i + 256].to(env.device)).float().cpu()
-                          for i in range(0, data.num_train, 256)])
+        return torch.cat([backbone_path_features(model, data.train_batch(torch.arange(i, min(i + 256, data.num_train)), device=env.device))
+                          .float().cpu() for i in range(0, data.num_train, 256)])
 
     def release_feature_fn(self, model):
         """The released features as a differentiable function of the images (raysim.tools.audit's FSH)."""

@@ -181,11 +181,14 @@ def validate(cfg: RunConfig) -> None:
     method = make_method(cfg)
     from raysim.data.augment import augment_mode
 
-    # data.augment=official where it cannot apply (a method training its own image model, a pooled partition) stops
-    # here; auto never refuses (it resolves to off there), so only official asks the method (whose needs() may read
-    # its backbone's config, absent in a dry run)
+    # data.augment=official where it cannot apply (a method training its own image model without an augmentation of
+    # its code's, a pooled partition, a dataset with no images) stops here; auto never refuses (it resolves to off
+    # there), so only official asks the method. A method declaring an image augmentation trains on images; the
+    # others' needs() is asked (a VPDR method's needs() reads its backbone's config, absent in a dry run)
     if cfg.data.augment == "official":
-        augment_mode(cfg.data.augment, cfg.data.dataset, partition=cfg.data.partition, input_kind=method.needs().input)
+        image_augment = type(method).image_augment
+        kind = "images" if image_augment else method.needs().input
+        augment_mode(cfg.data.augment, cfg.data.dataset, partition=cfg.data.partition, input_kind=kind, image_augment=image_augment)
     check_method(method, method.dp)  # a method/dp combination that cannot be made private stops here (method.dp: the run's,
     # or the run's as the method's own privacy knob refines it, e.g. vpdr_fedproto.privacy=vpdr sets dp.prototypes=vpp)
 
@@ -208,16 +211,24 @@ def _validate_data(d: DataConfig) -> None:
     _check(1 <= d.augment_views <= MAX_AUGMENT_VIEWS,
            f"data.augment_views must be between 1 and {MAX_AUGMENT_VIEWS} (augmented views per training image, each encoded "
            f"once and cached), got {d.augment_views}")
-    if d.augment == "official":
-        from raysim.data.augment import augmentable
+    if d.augment == "official":  # whether the dataset has images to augment depends on the method: checked in validate
         from raysim.data.partition import is_pooled
 
         _check(not is_pooled(d.partition),
                f"data.augment=official cannot go with data.partition={d.partition}: it pools train and test, so a client's "
                "training row may be another's test row; set data.augment=off (or auto)")
-        _check(augmentable(d.dataset),
-               f"data.augment=official needs a dataset of image files or arrays ({', '.join(sorted(augmentable()))}); "
-               f"data.dataset={d.dataset} has no images to augment: set data.augment=off (or auto)")
+    _check(isinstance(d.train_fraction, (int, float)) and not isinstance(d.train_fraction, bool)
+           and 0.0 < float(d.train_fraction) <= 1.0,
+           f"data.train_fraction must be a number in (0, 1]: the fraction of each domain's training images kept (1 = all; "
+           f"the VPDR code keeps 0.1 of Digits and 0.3 of PACS and Office-Caltech), got {d.train_fraction!r}")
+    d.train_fraction = float(d.train_fraction)
+    if d.train_fraction < 1.0:
+        from raysim.data.partition import is_pooled
+
+        _check(not is_pooled(d.partition) and d.partition != "stored",
+               f"data.train_fraction keeps part of each domain's training split before the partition; data.partition="
+               f"{d.partition} {'pools train and test' if d.partition != 'stored' else 'uses the clients a folder stores'}, "
+               "so there is no training split to keep part of: set data.train_fraction=1")
     _check(d.partition != "pfllib" or d.shots == 0,
            f"data.partition=pfllib is PFLlib's protocol, which keeps every sample of each client; set data.shots=0 (got {d.shots})")
 

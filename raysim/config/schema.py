@@ -19,7 +19,7 @@ ON_CLIENT_ERROR = ("fail", "drop")
 KEEP_CLIENT_STATES = ("auto", "last", "all")
 # execution.backend choices, by name (raysim.engine.backends.BACKENDS holds their classes; a test checks the two agree)
 BACKEND_NAMES = ("inline", "ray")
-# data.augment choices (raysim/data/augment.py): auto = official where the official FedSEPT code augments, else off
+# data.augment choices (raysim/data/augment.py): auto = official where the method's official code augments, else off
 AUGMENT_CHOICES = ("auto", "off", "official")
 
 RESUMABLE = {"resume": True}  # field metadata: the key may change when a run is resumed (it does not change results)
@@ -96,10 +96,16 @@ class DataConfig:
     # redraw the Dirichlet split until every client has this many samples; 0 = the partition's default:
     # dirichlet 10 train and 10 test samples, pfllib 40 samples in all (PFLlib's least_samples)
     min_samples: int = 0
-    # training augmentation of frozen-feature methods (raysim/data/augment.py): "official" = the official FedSEPT
-    # code's RandomResizedCrop(scale 0.08-1) + horizontal flip, `augment_views` views per training image encoded
-    # once, one drawn per image per local epoch; "off" = the test transform for training too; "auto" = official
-    # for the CoOp and domain datasets (where the official code augments), off elsewhere (synthetic, digits, CIFAR, ...)
+    # keep this random fraction of each domain's training split (the whole split without domains), drawn from
+    # the run seed, the test split whole (raysim/data/subset.py): the VPDR code's keep_ratio, 0.1 for Digits and
+    # 0.3 for PACS and Office-Caltech; 1 = every training image
+    train_fraction: float = 1.0
+    # training augmentation (raysim/data/augment.py), as the method's official code does it: "official" = for
+    # frozen-feature methods the FedSEPT code's RandomResizedCrop(scale 0.08-1) + horizontal flip, `augment_views`
+    # views per training image encoded once, one drawn per image per local epoch; for the VPDR frameworks (which
+    # train on images) the VPDR code's RandomCrop(size, padding 4) + horizontal flip, drawn per image per pass from
+    # the (round, client) stream; "off" = the test transform for training too; "auto" = official where that code
+    # augments (FedSEPT: the CoOp and domain datasets; VPDR: vpdr_digits, pacs, office_caltech10), off elsewhere
     augment: str = "auto"
     augment_views: int = 8  # augmented views per training image (the official code draws a fresh one every epoch)
     # data.dataset=pfllib: the folder's config.json, recorded here when the config is built (not set by hand)

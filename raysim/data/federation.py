@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from raysim.data.client import ClientData
+from raysim.data.padcrop import PadCropFlip
 
 
 @dataclass
@@ -37,6 +38,9 @@ class FederationData:
     # and their tokens (N_train, V, K, width) for "features+tokens" methods; None = train on x_train as it is
     x_views: Optional[np.ndarray] = None
     tok_views: Optional[np.ndarray] = None
+    # training augmentation of images (data.augment for a method training on them): the crop-and-flip every pass
+    # over a client's training images applies afresh (raysim/data/padcrop.py); None = train on x_train as it is
+    image_augment: Optional[PadCropFlip] = None
 
     @property
     def num_clients(self) -> int:
@@ -52,6 +56,7 @@ class FederationData:
             cid, xtr[tr], ytr[tr], xte[te], yte[te], len(self.classnames),
             tokens_train=None if ttr is None else ttr[tr], tokens_test=None if tte is None else tte[te],
             views_train=None if xv is None else xv[tr], token_views_train=None if tv is None else tv[tr],
+            image_augment=self.image_augment,
         )
 
 

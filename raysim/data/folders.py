@@ -15,7 +15,8 @@ views are encoded once too, and one view per image is drawn per local epoch. Two
 
 Domain datasets split each domain deterministically (SPEC 1.9): the domain's images in ImageFolder order
 (sorted classes, then sorted files) are train if ``index % 10 <= 7`` and test otherwise, unless the domain
-has explicit ``train/`` and ``test/`` folders.
+has explicit ``train/`` and ``test/`` folders. A run may keep a random fraction of each domain's training
+split (data.train_fraction, raysim/data/subset.py: the VPDR code keeps 30% of PACS and Office-Caltech).
 """
 
 from __future__ import annotations
@@ -320,6 +321,17 @@ DOMAIN: dict[str, DomainLayout] = {
 }
 
 
+def in_train_split(idx: int) -> bool:
+    """Whether the idx-th image of a domain folder without train/ and test/ is a training image (SPEC 1.9)."""
+    return idx % 10 <= 7
+
+
+def split_sizes(n: int) -> tuple[int, int]:
+    """(training, test) images of a domain folder of n images without train/ and test/ (`in_train_split`)."""
+    train = 8 * (n // 10) + min(n % 10, 8)
+    return train, n - train
+
+
 def _subdirs(path: str) -> list[str]:
     with os.scandir(path) as it:
         return sorted(e.name for e in it if e.is_dir(follow_symlinks=True) and not e.name.startswith("."))
@@ -412,7 +424,7 @@ def _load_domains(name: str, spec: LoadSpec) -> DatasetBundle:
             for y, c in enumerate(classes):
                 for path in _image_files(os.path.join(croot, c)):
                     if part == "all":
-                        add(tr if idx % 10 <= 7 else te, path, y, d)
+                        add(tr if in_train_split(idx) else te, path, y, d)
                     else:
                         add(tr if part == "train" else te, path, y, d)
                     idx += 1
@@ -551,4 +563,4 @@ def load_tiny_imagenet(spec: LoadSpec) -> DatasetBundle:
     )
 
 
-__all__ = ["LAYOUTS", "COOP", "DOMAIN", "ImageItems", "make_transform", "make_signature"]
+__all__ = ["LAYOUTS", "COOP", "DOMAIN", "ImageItems", "in_train_split", "make_transform", "make_signature", "split_sizes"]

@@ -25,7 +25,9 @@ def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationDat
     from raysim.data import DATASETS, LoadSpec, PartitionSpec, partition
     from raysim.data.augment import augment_mode
     from raysim.data.features import cached_image_features, cached_view_features
+    from raysim.data.padcrop import PadCropFlip
     from raysim.data.partition import is_pooled
+    from raysim.data.subset import keep_train_fraction
     from raysim.models.clip import ModelSpec, load_clip, register_builtin_configs, resolve_device
 
     register_builtin_configs()
@@ -40,7 +42,7 @@ def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationDat
         size = needs.image_size  # methods that train their own image models pick their input size
     spec = LoadSpec(data_root=cfg.data.data_root, image_size=size, download=cfg.data.download, seed=cfg.train.seed,
                     cache_dir=cfg.output.cache_dir)
-    bundle = DATASETS.get(cfg.data.dataset)(spec)
+    bundle = keep_train_fraction(DATASETS.get(cfg.data.dataset)(spec), cfg.data.train_fraction, seed=cfg.train.seed)
     pspec = PartitionSpec(
         train_labels=bundle.train.labels,
         test_labels=bundle.test.labels,
@@ -70,7 +72,9 @@ def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationDat
         splits = partition(cfg.data.partition, pspec)
     ttr = tte = None
     x_views = tok_views = None
-    augment = augment_mode(cfg.data.augment, cfg.data.dataset, partition=cfg.data.partition, input_kind=needs.input)
+    augment = augment_mode(cfg.data.augment, cfg.data.dataset, partition=cfg.data.partition, input_kind=needs.input,
+                           image_augment=needs.image_augment)
+    image_augment = None
     if needs.input == "features":
         tokens = needs.tokens
         xtr, xte, *toks = cached_image_features(
@@ -98,6 +102,9 @@ def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationDat
             tok_views = views[1].numpy() if tokens else None
     else:
         xtr, xte = materialize_images(bundle.train.images), materialize_images(bundle.test.images)
+        if augment == "official":  # cropped and flipped afresh at every pass over the data (raysim/data/padcrop.py)
+            log.info("data.augment=%s (%s): %s on the training images", augment, cfg.data.augment, needs.image_augment)
+            image_augment = PadCropFlip.normalised(spec.mean, spec.std)
     x_train, x_test = xtr.numpy(), xte.numpy()  # features (N, D) or images (N, 3, S, S)
     y_train, y_test = bundle.train.labels.astype(np.int64), bundle.test.labels.astype(np.int64)
     tok_train = None if ttr is None else ttr.numpy()  # (N, K, width) float16, only when asked for
@@ -120,6 +127,7 @@ def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationDat
         client_domains=client_domains(bundle, splits),
         x_views=x_views,
         tok_views=tok_views,
+        image_augment=image_augment,
     )
 
 

@@ -14,10 +14,18 @@ raysim-vit backbone was pretrained on the generator's shapes and letters only, n
     DATA_ROOT/SVHN/{train_32x32.mat,test_32x32.mat}                            (torchvision's SVHN files)
     DATA_ROOT/synthetic_digits/{imgs_train,imgs_valid}/<0..9>/*.png            (SynthDigits)
 
-Domains in that order (mnist, usps, svhn, synth); each domain's training set is cut to a fixed random 10%
-(the paper's subset, `TRAIN_FRACTION`, drawn per domain with seed 0), its test set is kept whole; grey
-images become 3 channels. Deterministic resize (the engine freezes images once; the paper's RandomCrop
-and flip are not reproduced).
+Domains in that order (mnist, usps, svhn, synth), every image of each split; grey images become 3 channels.
+The VPDR code keeps a random 10% of each domain's training set and every test image (utils/domain_skew.py
+keep_ratio): `data.train_fraction=0.1` does the same (raysim/data/subset.py: max(1, floor(0.1 n)) rows per
+domain, drawn from the run seed), as the VPDR paper presets set it; PACS and Office-Caltech are kept at 0.3
+there the same way.
+
+Images: the deterministic test transform (resize the shorter side, centre crop), materialised once for the
+methods that train on them. The VPDR code trains on RandomCrop(224, padding 4) + horizontal flip of the domain
+datasets (Digits, PACS, Office-Caltech); `data.augment` (its default `auto` is `official` for the VPDR frameworks
+on vpdr_digits, pacs and office_caltech10) crops and flips the materialised images afresh at every pass over a
+client's training images, from the (round, client) stream (raysim/data/padcrop.py), so nothing is decoded
+twice and every backend sees the same crops.
 
 ``partition=dirichlet_shared_test`` (CIFAR-10 label skew as the VPDR code splits it): per class,
 p ~ Dirichlet(data.beta = alpha) over the clients, client k gets floor(p_k n_c) of the class's training
@@ -44,7 +52,6 @@ from raysim.errors import DataError
 
 DIGITS4 = syn.SyntheticParams(classes=tuple(syn.DIGITS), domains=tuple(syn.DOMAINS), train_per_cell=30, test_per_cell=50, seed=5)
 VPDR_DIGIT_DOMAINS = ("mnist", "usps", "svhn", "synth")
-TRAIN_FRACTION = 0.1  # SPEC 4: the Digits training subset is 10% (PACS and Office-Caltech: 30%)
 LAYOUT = (
     "DATA_ROOT/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz], DATA_ROOT/USPS/{usps.bz2,usps.t.bz2}, "
     "DATA_ROOT/SVHN/{train_32x32.mat,test_32x32.mat}, DATA_ROOT/synthetic_digits/{imgs_train,imgs_valid}/<0..9>/*"
@@ -147,15 +154,10 @@ def _synth(root: str, train: bool) -> tuple[list[str], np.ndarray, str]:
 READERS: dict[str, Any] = {"mnist": _mnist, "usps": _usps, "svhn": _svhn, "synth": _synth}
 
 
-def train_subset(n: int, fraction: float, seed: int = 0) -> np.ndarray:
-    """A fixed random `fraction` of n indices (at least one), sorted."""
-    k = max(1, int(np.floor(n * fraction)))
-    return np.sort(np.random.default_rng(seed).permutation(n)[:k])
-
-
 @register_dataset("vpdr_digits")
 def load_vpdr_digits(spec: LoadSpec) -> DatasetBundle:
-    """MNIST, USPS, SVHN and SynthDigits from data_root as four domains (10% of each training set)."""
+    """MNIST, USPS, SVHN and SynthDigits from data_root as four domains (the paper's 10% of each training set:
+    data.train_fraction=0.1)."""
     root = os.path.abspath(os.path.expanduser(str(spec.data_root)))
     if not os.path.isdir(root):
         raise _missing(f"data_root {root} not found")
@@ -166,10 +168,6 @@ def load_vpdr_digits(spec: LoadSpec) -> DatasetBundle:
     for d, dom in enumerate(VPDR_DIGIT_DOMAINS):
         for split in ("train", "test"):
             items, labels, src = READERS[dom](root, split == "train")
-            if split == "train":
-                keep = train_subset(len(labels), TRAIN_FRACTION, seed=0)
-                items = [items[i] for i in keep] if isinstance(items, list) else items[keep]
-                labels = labels[keep]
             parts[split]["sets"].append(ImageItems(items, transform))
             parts[split]["labels"].append(labels)
             parts[split]["domains"].append(np.full(len(labels), d, dtype=np.int64))
@@ -186,8 +184,8 @@ def load_vpdr_digits(spec: LoadSpec) -> DatasetBundle:
         train=train,
         test=test,
         domain_names=list(VPDR_DIGIT_DOMAINS),
-        signature=make_signature("vpdr_digits", root, sources, len(train) + len(test), spec, tf_name) + f"|frac={TRAIN_FRACTION}",
-        meta={"root": root, "transform": tf_name, "train_fraction": TRAIN_FRACTION},
+        signature=make_signature("vpdr_digits", root, sources, len(train) + len(test), spec, tf_name),
+        meta={"root": root, "transform": tf_name},
     )
 
 
@@ -214,5 +212,4 @@ def dirichlet_shared_test(spec: PartitionSpec) -> list[ClientSplit]:
     return [ClientSplit(np.concatenate(t) if t else np.zeros(0, np.int64), everyone.copy()) for t in train]
 
 
-__all__ = ["DIGITS4", "VPDR_DIGIT_DOMAINS", "TRAIN_FRACTION", "load_digits4", "load_vpdr_digits", "dirichlet_shared_test",
-           "read_idx", "train_subset"]
+__all__ = ["DIGITS4", "VPDR_DIGIT_DOMAINS", "load_digits4", "load_vpdr_digits", "dirichlet_shared_test", "read_idx"]

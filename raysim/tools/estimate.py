@@ -39,6 +39,8 @@ import math
 from typing import Any
 
 from raysim.data.augment import augment_mode
+from raysim.data.folders import split_sizes
+from raysim.data.subset import kept_count
 
 THROUGHPUT = 40e12  # FLOP/s
 MODEL_FLOPS = {  # name -> (text forward per caption, image forward per image), FLOPs
@@ -51,20 +53,27 @@ SMALL = (1e7, 1e7)  # the bundled / tiny models: negligible
 DATASETS = {
     "food101": (101, 50500, 30300), "caltech101": (100, 4128, 2465), "flowers102": (102, 4093, 2463),
     "dtd": (47, 2820, 1692), "oxford_pets": (37, 2944, 3669), "cifar10": (10, 50000, 10000),
-    "cifar100": (100, 50000, 10000), "pacs": (7, 7992, 2000), "office31": (31, 3288, 822),
+    "cifar100": (100, 50000, 10000), "office31": (31, 3288, 822),
     "officehome": (65, 12470, 3118), "domainnet": (100, 120000, 30000),
     "tiny_imagenet": (200, 100000, 10000), "digits": (10, 60000, 10000), "digits4": (10, 60000, 10000),
-    # vpdr_digits: raysim/data/vpdr.py keeps floor(10%) of each domain's training set, as the VPDR code
-    # (utils/domain_skew.py keep_ratio 0.1), and every test set whole: MNIST 60000/10000, USPS 7291/2007,
-    # SVHN 73257/26032 (torchvision's splits), SynthDigits imgs_train/imgs_valid 10000/2000 (the sizes the
-    # Kaggle synthetic-digits set lists; not counted from a copy here) -> 6000+729+7325+1000 and the sum of the tests
-    "vpdr_digits": (10, 15054, 40039),
-    # office_caltech10: raysim's index % 10 <= 7 split of each flat domain folder (raysim/data/folders.py) of
-    # amazon 958, caltech 1123, dslr 157, webcam 295 images: 768+899+127+237 train, 190+224+30+58 test. The VPDR
-    # code (utils/domain_skew.py) splits 80/20 at random and then keeps 30% of the training split (606 images);
-    # raysim does not subsample (docs/papers/vpdr.md "Paper presets")
-    "office_caltech10": (10, 2031, 502),
 }
+# datasets counted domain by domain (data.train_fraction keeps max(1, floor(f n)) of each domain's n training
+# images, raysim/data/subset.py): domain -> (training images, test images) as raysim's loader splits them
+DOMAIN_SIZES: dict[str, dict[str, tuple[int, int]]] = {
+    # vpdr_digits: every image of each split (raysim/data/vpdr.py): MNIST 60000/10000, USPS 7291/2007, SVHN
+    # 73257/26032 (torchvision's splits), SynthDigits imgs_train/imgs_valid 10000/2000 (the sizes the Kaggle
+    # synthetic-digits set lists; not counted from a copy here)
+    "vpdr_digits": {"mnist": (60000, 10000), "usps": (7291, 2007), "svhn": (73257, 26032), "synth": (10000, 2000)},
+    # the index % 10 <= 7 split (raysim/data/folders.py `split_sizes`) of each flat domain folder: Office-Caltech's
+    # amazon 958, caltech 1123, dslr 157, webcam 295 images; PACS's art_painting 2048, cartoon 2344, photo 1670,
+    # sketch 3929. The VPDR code splits 80/20 at random (n_test = int(0.2 n)) before keeping 30% of the training
+    # split: a domain's training split differs from raysim's by at most one image
+    "office_caltech10": {d: split_sizes(n) for d, n in {"amazon": 958, "caltech": 1123, "dslr": 157, "webcam": 295}.items()},
+    "pacs": {d: split_sizes(n) for d, n in {"art_painting": 2048, "cartoon": 2344, "photo": 1670, "sketch": 3929}.items()},
+}
+CLASSES = {"vpdr_digits": 10, "office_caltech10": 10, "pacs": 7}
+DATASETS.update({name: (CLASSES[name], sum(tr for tr, _ in doms.values()), sum(te for _, te in doms.values()))
+                 for name, doms in DOMAIN_SIZES.items()})
 IMAGE_SIZE = {"tiny_imagenet": 64}  # the zoo CNNs' input side; 32 otherwise (CIFAR, digits at 32x32)
 VIT_WIDTH = {"tiny": (192, 12), "small": (384, 12), "base": (768, 12), "raysim-vit": (384, 12)}  # name part -> (d, blocks)
 PASSES = {"zeroshot": 0, "promptfl": 1, "dpfpl": 1, "fedotp": 2, "fedpha": 2, "fedpgp": 4, "pfedmoap": 1}
@@ -80,13 +89,24 @@ def text_passes(cfg: Any) -> float:
     return float(PASSES.get(cfg.method, 1))
 
 
+def sizes(cfg: Any) -> tuple[int, int, int]:
+    """(classes, training images, test images) of the run's data: data.train_fraction of each domain's training
+    split (`DOMAIN_SIZES`), or of the whole split for a dataset counted as one; the test split whole."""
+    classes, n_train, n_test = DATASETS.get(cfg.data.dataset, (10, 1000, 1000))
+    f = float(cfg.data.train_fraction)
+    domains = DOMAIN_SIZES.get(cfg.data.dataset)
+    if domains is not None:
+        return classes, sum(kept_count(tr, f) for tr, _ in domains.values()), n_test
+    return classes, kept_count(n_train, f), n_test
+
+
 def estimate(cfg: Any) -> dict[str, float]:
     """{"flops", "gpu_hours", "steps"} of one run (see the module docstring)."""
     forward = client_forward_flops(cfg)
     if forward is not None:
         return estimate_models(cfg, forward)
     f_text, f_image = MODEL_FLOPS.get(cfg.model.name, SMALL)
-    classes, n_train_all, n_test = DATASETS.get(cfg.data.dataset, (10, 1000, 1000))
+    classes, n_train_all, n_test = sizes(cfg)
     K = max(1, cfg.train.num_clients)
     if cfg.data.shots > 0 and cfg.data.partition == "pathological":
         n_k = cfg.data.shots * max(1, round(classes / K))
@@ -155,7 +175,7 @@ def client_forward_flops(cfg: Any) -> list[float] | None:
 
 def estimate_models(cfg: Any, forward: list[float]) -> dict[str, float]:
     """{"flops", "gpu_hours", "steps"} of a whole-network run (the module docstring's second formula)."""
-    _, n_train, n_test = DATASETS.get(cfg.data.dataset, (10, 1000, 1000))
+    _, n_train, n_test = sizes(cfg)
     K = len(forward)
     rounds, E = cfg.train.rounds, cfg.train.local_epochs
     evals = len({r for r in range(rounds) if (r + 1) % cfg.eval.every == 0 or r >= rounds - cfg.eval.last})

@@ -132,3 +132,49 @@ def test_vit_forward_flops_match_the_published_vit_s16_count():
     # timm lists ViT-S/16 at 224 as 4.6 GMACs = 9.2 GFLOP; the analytic count ignores norms/softmax (within 5%)
     assert vit_forward_flops("vit-small-patch16-224") == pytest.approx(9.2e9, rel=0.05)
     assert vit_forward_flops("vit-base") > vit_forward_flops("vit-small")
+
+
+# the VPDR code's training data (utils/domain_skew.py keep_ratio and its RandomCrop(224, padding 4) + flip; label_skew.py
+# keeps every CIFAR image and does not augment): (data.train_fraction, data.augment) of each VPDR preset
+VPDR_CODE_DATA = {"vpdr_table1": (0.1, "official"), "vpdr_ablation": (0.3, "official"), "vpdr_alpha": (1.0, "off")}
+# how docs/papers/vpdr.md words each preset's dry-run estimate
+VPDR_DOC_ESTIMATE = {"vpdr_table1": "Table 1 {} (Digits", "vpdr_ablation": "ablation {} (PACS", "vpdr_alpha": "alpha table {} GPU-hours"}
+
+
+@pytest.mark.parametrize("name", sorted(VPDR_CODE_DATA))
+def test_vpdr_presets_keep_the_codes_fraction_and_augmentation_and_the_docs_say_so(name):
+    fraction, augment = VPDR_CODE_DATA[name]
+    data = yaml.safe_load((PAPER / f"{name}.yaml").read_text())["setting"]["data"]
+    flags = preset_flags(name)
+    assert data["train_fraction"] == flags["data.train_fraction"] == fraction
+    assert data["augment"] == flags["data.augment"] == augment
+
+
+@pytest.mark.parametrize("name", sorted(VPDR_DOC_ESTIMATE))
+def test_the_docs_print_each_vpdr_presets_dry_run_estimate(name, tmp_path, capsys, monkeypatch):
+    from raysim.tools.compare import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main([str(PAPER / f"{name}.yaml"), "--dry-run", "--out", str(tmp_path / "out")]) == 0
+    hours = re.search(r"estimated GPU-hours: ([0-9.e+-]+)", capsys.readouterr().out).group(1)
+    text = " ".join((ROOT / "docs" / "papers" / "vpdr.md").read_text().split())
+    assert " ".join(VPDR_DOC_ESTIMATE[name].format(hours).split()) in text, f"docs/papers/vpdr.md does not print {name}'s {hours}"
+
+
+def test_the_estimate_trains_on_the_kept_fraction_of_each_domain():
+    from raysim.config.checks import build_config
+    from raysim.tools.estimate import estimate, sizes
+
+    def cfg(dataset, fraction):
+        return build_config({"method": "vpdr_fedproto", "data": {"dataset": dataset, "partition": "domain", "shots": 0,
+                                                                  "train_fraction": fraction},
+                             "train": {"num_clients": 4, "rounds": 20, "local_epochs": 2, "batch_size": 256}})
+
+    # by hand: PACS's index % 10 <= 7 training splits 1640, 1876, 1336, 3144 keep 492 + 562 + 400 + 943 at 0.3;
+    # Office-Caltech's 768, 899, 127, 237 keep 230 + 269 + 38 + 71; Digits' 60000, 7291, 73257, 10000 keep 10%
+    assert sizes(cfg("pacs", 0.3)) == (7, 2397, 1995) and sizes(cfg("pacs", 1.0)) == (7, 7996, 1995)
+    assert sizes(cfg("office_caltech10", 0.3)) == (10, 608, 502) and sizes(cfg("office_caltech10", 1.0)) == (10, 2031, 502)
+    assert sizes(cfg("vpdr_digits", 0.1)) == (10, 15054, 40039) and sizes(cfg("vpdr_digits", 1.0)) == (10, 150548, 40039)
+    # steps: 20 rounds x 4 clients x 2 epochs x ceil(n / 4 / 256) batches
+    assert estimate(cfg("pacs", 0.3))["steps"] == 20 * 4 * 2 * 3 and estimate(cfg("pacs", 1.0))["steps"] == 20 * 4 * 2 * 8

@@ -73,18 +73,25 @@ def make_digits_tree(root, n_train: int = 20, n_test: int = 5) -> None:
                 Image.fromarray(rng.integers(0, 256, (32, 32, 3)).astype(np.uint8)).save(d / f"{i}.png")
 
 
-def test_vpdr_digits_reads_the_four_domains_keeps_10_percent_of_training(tmp_path):
+def test_vpdr_digits_reads_the_four_domains_and_train_fraction_keeps_10_percent_of_training(tmp_path):
+    from raysim.data.subset import keep_train_fraction
+
     make_digits_tree(tmp_path, n_train=40, n_test=10)
-    b = DATASETS.get("vpdr_digits")(LoadSpec(data_root=str(tmp_path), image_size=24))
-    assert b.domain_names == ["mnist", "usps", "svhn", "synth"]
-    # 10% of 40 training images per domain (floor, at least 1), the test sets whole
+    full = DATASETS.get("vpdr_digits")(LoadSpec(data_root=str(tmp_path), image_size=24))
+    assert full.domain_names == ["mnist", "usps", "svhn", "synth"]
+    assert np.bincount(full.train.domains).tolist() == [40, 40, 40, 40]  # the loader keeps every image
+    # data.train_fraction=0.1, the VPDR code's keep_ratio: 10% of 40 training images per domain (floor, at least
+    # 1), the test sets whole
+    b = keep_train_fraction(full, 0.1, seed=1)
     assert np.bincount(b.train.domains).tolist() == [4, 4, 4, 4]
     assert np.bincount(b.test.domains).tolist() == [10, 10, 10, 10]
     assert set(b.test.labels.tolist()) == set(range(10))  # SVHN's label 10 is the digit 0
     for i in (0, len(b.test) - 1):  # grey MNIST and colour SynthDigits both come out 3 x 24 x 24
         assert tuple(b.test.images[i].shape) == (3, 24, 24)
-    again = DATASETS.get("vpdr_digits")(LoadSpec(data_root=str(tmp_path), image_size=24))
-    assert again.signature == b.signature and np.array_equal(again.train.labels, b.train.labels)  # a fixed subset
+    assert tuple(b.train.images[len(b.train) - 1].shape) == (3, 24, 24)  # a kept SynthDigits file, read through the subset
+    again = keep_train_fraction(DATASETS.get("vpdr_digits")(LoadSpec(data_root=str(tmp_path), image_size=24)), 0.1, seed=1)
+    assert again.signature == b.signature != full.signature
+    assert np.array_equal(again.train.labels, b.train.labels)  # a fixed subset for a seed
 
 
 @pytest.mark.parametrize("drop", ["MNIST", "USPS", "SVHN", "synthetic_digits"])
