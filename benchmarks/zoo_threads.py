@@ -2,6 +2,7 @@
 
     python benchmarks/zoo_threads.py [--clients 20] [--family HtFE2] [--rounds 4] [--repeats 2] [--ray 2]
         [--layouts seq intra threads ray]
+    python benchmarks/zoo_threads.py --steps fedavgcnn resnet18   # the threads' CPU cost, two clients' steps
 
 The setting of issue 29: FedProto on digits (Dirichlet 0.1, every image), 20 clients on HtFE2 (FedAvgCNN and
 ResNet-18, alternating), HtFLlib's defaults (benchmarks/presets/htfllib.yaml: lr 0.01, batch 10, one local
@@ -65,6 +66,43 @@ def final_state(cfg) -> dict:
     return out
 
 
+def steps_cpu(arch: str, batch: int = 10, batches: int = 40, alternations: int = 2) -> None:
+    """Two clients' local steps (a fresh `arch` model each, `batches` SGD steps on random 32x32 batches of
+    `batch`) one after the other and on two threads, alternated: wall and process CPU seconds of each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    import torch.nn.functional as F
+
+    from raysim.models.zoo import make_client_model
+
+    torch.set_num_threads(1)
+
+    def step(seed: int, n: int = batches) -> float:
+        model = make_client_model(arch, 512, 10, seed=seed)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(n * batch, 3, 32, 32, generator=g), torch.randint(0, 10, (n * batch,), generator=g)
+        for i in range(n):
+            loss = F.cross_entropy(model(x[i * batch:(i + 1) * batch])[1], y[i * batch:(i + 1) * batch])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return float(loss.detach())
+
+    step(0, 2)  # warm-up
+    for _ in range(alternations):
+        for mode in ("one after the other", "on two threads"):
+            t0, c0 = time.perf_counter(), time.process_time()
+            if mode == "on two threads":
+                with ThreadPoolExecutor(2) as pool:
+                    list(pool.map(step, (1, 2)))
+            else:
+                [step(s) for s in (1, 2)]
+            print(f"{arch}, batch {batch}, two clients {mode}: wall {time.perf_counter() - t0:.2f} s, "
+                  f"CPU {time.process_time() - c0:.2f} s; load {os.getloadavg()[0]:.1f}", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", type=int, default=20)
@@ -73,7 +111,14 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--ray", type=int, default=2, help="actors of the Ray layout")
     ap.add_argument("--layouts", nargs="+", default=["seq", "intra", "threads", "ray"], choices=[*LAYOUTS, "ray"])
+    ap.add_argument("--steps", nargs="+", default=[], metavar="ARCH",
+                    help="instead: two clients' local steps of each ARCH (fedavgcnn, resnet18, ...) one after the other "
+                         "and on two threads, wall and CPU seconds")
     args = ap.parse_args(argv)
+    if args.steps:
+        for arch in args.steps:
+            steps_cpu(arch)
+        return 0
 
     import torch
 
