@@ -105,7 +105,7 @@ class HeteroMethod(Method):
         not where the family has a model with dropout (GoogLeNet, HtFLlib's MobileNetV2), whose masks come
         from torch's global RNG: those train client by client. Subclasses that keep one module per host in
         env.extra, reloaded by every client's step, say False."""
-        return not uses_global_rng(self.opts.model_family)
+        return not uses_global_rng(self.opts.model_family, getattr(self.opts, "model", ""))  # FedPCL: one `model` for all
 
     # -- env -------------------------------------------------------------------------------
     def feature_dim(self, spec: EnvSpec) -> int:

@@ -208,9 +208,11 @@ def arch_of(family_name: str, client_id: int) -> str:
 DROPOUT_ARCHS: frozenset[str] = frozenset({"googlenet", "htfllib_mobilenet_v2"})
 
 
-def uses_global_rng(family_name: str) -> bool:
-    """Whether a model of the family draws from torch's global RNG when it trains (a dropout layer)."""
-    return any(a in DROPOUT_ARCHS for a in family(family_name))
+def uses_global_rng(family_name: str = "", arch: str = "") -> bool:
+    """Whether a model of the family (or, with no family, the architecture `arch`) draws from torch's global
+    RNG when it trains (a dropout layer)."""
+    archs = family(family_name) if family_name else (arch.lower(),)
+    return any(a in DROPOUT_ARCHS for a in archs)
 
 
 def make_client_model(arch: str, feature_dim: int, num_classes: int, *, image_size: int = 32, seed: int = 0) -> HtModel:

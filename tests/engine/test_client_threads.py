@@ -153,6 +153,7 @@ def test_methods_with_shared_modules_or_dropout_train_client_by_client():
     assert independent("fedproto", {"model_family": "HtFE2"})
     assert not independent("fedproto", {"model_family": "HtFE4"})  # GoogLeNet's dropout
     assert not independent("fedproto", {"model_family": "HtFE-img-5"})  # HtFLlib's MobileNetV2's dropout
+    assert independent("fedpcl") and not independent("fedpcl", {"model": "googlenet"})  # one `model` for all (no family)
     for m in ("fedgen", "fml", "fedkd", "fedmrl", "fedavg", "promptfl"):
         assert not independent(m), m
 
