@@ -232,6 +232,15 @@ class Method:
         the model to it before testing (e.g. -FT head fine-tuning)."""
         raise NotImplementedError
 
+    def independent_clients(self) -> bool:
+        """True when each client's step (init_private, local_train, local_release) is a function of its
+        arguments alone: it reads env's frozen parts, writes nothing of env but entries of its own client,
+        and draws randomness only from its `rng` (or from torch's global RNG under a seed, through
+        raysim.sampling.seeded_global_rng). A host may then run several clients' steps at once
+        (execution.client_threads); each client's computation is the same as client by client, so the
+        results are bitwise the same. False (the default): client by client."""
+        return False
+
     def predicts_globally(self) -> bool:
         """Whether this instance's predictor is the same for every client (`global_predictor`, unless an
         option makes it personal, e.g. the -FT methods' head fine-tuning)."""

@@ -6,7 +6,9 @@ same batches and the same noise whatever the backend, the number of actors, or a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import threading
 from typing import Iterator
 
 import numpy as np
@@ -52,6 +54,23 @@ def generator(seed: int, *parts: object) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(stream_seed(seed, *parts))
     return g
+
+
+# torch's global CPU generator is one per process: a host that trains its clients on several threads
+# (execution.client_threads, raysim/engine/client_round.py) would interleave their draws from it. Every
+# seeded draw of it in raysim (a module's init as a function of a seed) holds this lock, so two clients'
+# models built at once each get exactly the init of their own seed.
+GLOBAL_RNG_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def seeded_global_rng(seed: int) -> Iterator[None]:
+    """torch's global CPU RNG seeded with `seed` for the block (e.g. an nn.Module's default init as a function
+    of `seed`), and put back as it was after; held under GLOBAL_RNG_LOCK, so a concurrent client's block
+    on another thread neither sees nor moves this one's stream."""
+    with GLOBAL_RNG_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 def batches_per_epoch(n: int, batch_size: int) -> int:

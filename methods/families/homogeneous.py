@@ -104,6 +104,10 @@ class Homogeneous:
         `private["model"]` holds flat global weights, loaded into the host's one module."""
         return self.global_model(env, private["model"])
 
+    def independent_clients(self) -> bool:
+        """False: every client's step loads its weights into the host's one global module (env.extra)."""
+        return False
+
     # -- the global model ---------------------------------------------------------------------
     def new_model(self, env: HtEnv, seed: int = 0) -> HtModel:
         return make_client_model(self.opts.model.lower(), env.feature_dim, env.num_classes,
@@ -246,6 +250,10 @@ def validate_shared(o: SharedOptions, name: str) -> None:
 class SharedSmallModel(HeteroMethod):
     """A HeteroMethod whose clients also train a copy of one global small model (broadcast and uploaded
     as "weights")."""
+
+    def independent_clients(self) -> bool:
+        """False: every client's step loads the broadcast into the host's one shared module (env.extra)."""
+        return False
 
     def shared_arch(self) -> str:
         arch = self.opts.shared_model.lower()

@@ -16,8 +16,8 @@ from torch import Tensor, nn
 
 from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, EnvSpec, Method, Needs, Upload, weighted_mean
-from raysim.models.zoo import FAMILIES, HtModel, arch_of, make_client_model
-from raysim.sampling import epoch_batches
+from raysim.models.zoo import FAMILIES, HtModel, arch_of, make_client_model, uses_global_rng
+from raysim.sampling import epoch_batches, seeded_global_rng
 
 # every architecture of the zoo (all ResNet-n are in HtFE9)
 ARCHS: tuple[str, ...] = tuple(dict.fromkeys(a for fam in FAMILIES.values() for a in fam))
@@ -99,6 +99,13 @@ class HeteroMethod(Method):
 
     def needs(self) -> Needs:
         return Needs(input="images", image_size=self.image_size)
+
+    def independent_clients(self) -> bool:
+        """A zoo client's step touches only its own model (env.models holds one per client) and its `rng`;
+        not where the family has a model with dropout (GoogLeNet, HtFLlib's MobileNetV2), whose masks come
+        from torch's global RNG: those train client by client. Subclasses that keep one module per host in
+        env.extra, reloaded by every client's step, say False."""
+        return not uses_global_rng(self.opts.model_family, getattr(self.opts, "model", ""))  # FedPCL: one `model` for all
 
     # -- env -------------------------------------------------------------------------------
     def feature_dim(self, spec: EnvSpec) -> int:
@@ -188,8 +195,7 @@ class GlobalHead:
     def init_head(self, env: HtEnv, rng: torch.Generator) -> dict[str, Tensor]:
         """A freshly initialised Linear(d, C) (PyTorch's default init), a function of `rng` only."""
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded_global_rng(seed):
             head = nn.Linear(env.feature_dim, env.num_classes)
         return head_of(head)
 

@@ -54,6 +54,7 @@ from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, LocalResult, register_method, weighted_mean
 from raysim.methods.families.zoo import HeteroMethod, HtEnv, snapshot, validate_common
 from raysim.privacy.mechanisms import update
+from raysim.sampling import seeded_global_rng
 
 
 @dataclass
@@ -176,8 +177,7 @@ class AlignFed(HeteroMethod):
         else:
             anchors = uniformity_anchors(env.num_classes, env.feature_dim, rng, iters=o.anchor_iters, lr=o.anchor_lr, tau=o.anchor_tau)
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded_global_rng(seed):
             head = torch.nn.Linear(env.feature_dim, env.num_classes)
         return {"anchors": anchors, "head_weight": head.weight.detach().clone(), "head_bias": head.bias.detach().clone(),
                 "round": torch.zeros(1)}

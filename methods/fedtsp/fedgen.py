@@ -43,6 +43,7 @@ from raysim.methods.families.prototype import COUNTS_NOTE
 from raysim.methods.families.zoo import HtEnv, ZooModelOptions, average_heads, head_of, snapshot, validate_common
 from raysim.methods.fedtsp.lgfedavg import LGFedAvg
 from raysim.privacy.mechanisms import public, update
+from raysim.sampling import seeded_global_rng
 
 
 @dataclass
@@ -123,9 +124,12 @@ class FedGen(LGFedAvg):
 
     def new_generator(self, env: HtEnv, rng: torch.Generator) -> Generator:
         """A freshly initialised G, a function of `rng` only."""
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
+        with seeded_global_rng(int(torch.randint(0, 2**31 - 1, (1,), generator=rng))):
             return Generator(self.opts.noise_dim, env.num_classes, self.opts.hidden_dim, env.feature_dim)
+
+    def independent_clients(self) -> bool:
+        """False: every client's step samples from the host's one generator module (env.extra)."""
+        return False
 
     def generator(self, env: HtEnv, shared: dict[str, Tensor]) -> Generator:
         """The host's one generator module, loaded with the broadcast G."""

@@ -55,6 +55,7 @@ from raysim.methods.families.homogeneous import SharedOptions, SharedSmallModel,
 from raysim.methods.families.zoo import HtEnv, snapshot
 from raysim.methods.fedtsp.fml import kl_to
 from raysim.privacy.mechanisms import update
+from raysim.sampling import seeded_global_rng
 
 
 @dataclass
@@ -161,8 +162,7 @@ class FedKD(SharedSmallModel):
     def init_private(self, env, data: ClientData, rng):
         private = super().init_private(env, data, rng)
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded_global_rng(seed):
             w_h = nn.Linear(env.feature_dim, env.feature_dim, bias=False)
         return {**private, "W_h": snapshot(w_h)}
 

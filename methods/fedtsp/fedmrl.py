@@ -34,6 +34,7 @@ from raysim.methods.families.homogeneous import SharedOptions, SharedSmallModel,
 from raysim.methods.families.zoo import HtEnv, snapshot
 from raysim.models.zoo import HtModel
 from raysim.privacy.mechanisms import update
+from raysim.sampling import seeded_global_rng
 
 
 @dataclass
@@ -66,8 +67,7 @@ class FedMRL(SharedSmallModel):
         return int(self.opts.sub_dim)
 
     def new_projector(self, env: HtEnv, seed: int = 0) -> nn.Linear:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded_global_rng(seed):
             return nn.Linear(self.opts.sub_dim + env.feature_dim, env.feature_dim)
 
     def projector(self, env: HtEnv, private: dict) -> nn.Linear:

@@ -27,6 +27,7 @@ from raysim.methods.base import ServerResult, register_method
 from raysim.methods.families.prototype import aggregate_prototypes, stack_uploads
 from raysim.methods.families.zoo import ZooOptions, validate_common
 from raysim.methods.fedtsp.fedproto import FedProto
+from raysim.sampling import GLOBAL_RNG_LOCK
 
 
 @dataclass
@@ -89,7 +90,7 @@ def train_generator(g: PrototypeGenerator, feats: Tensor, labels: Tensor, margin
 def seeded_generator(env, hidden: int, shared=None, rng=None) -> PrototypeGenerator:
     """The server's generator: fresh weights drawn from `rng` (torch's global stream untouched), or the
     `gen.*` entries of the server state when `shared` holds them."""
-    with torch.random.fork_rng(devices=[]):
+    with GLOBAL_RNG_LOCK, torch.random.fork_rng(devices=[]):
         if rng is not None:
             torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
         g = PrototypeGenerator(env.num_classes, env.feature_dim, hidden)

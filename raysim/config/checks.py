@@ -295,6 +295,8 @@ def _validate_execution(x: ExecutionConfig, t: TrainConfig) -> None:
     _check(0 <= x.client_gpus <= 1, f"execution.client_gpus is a fraction of one GPU per actor, in [0, 1]; got {x.client_gpus}")
     _check(x.server_gpus >= 0, f"execution.server_gpus must be >= 0, got {x.server_gpus}")
     _check(x.num_threads >= 1, f"execution.num_threads must be >= 1, got {x.num_threads}")
+    _check(x.client_threads >= 0, f"execution.client_threads is how many clients a host trains at once and must be >= 0 "
+           f"(0 = as many as the host has CPUs, 1 = client by client), got {x.client_threads}")
     _check(x.max_actor_restarts >= 0, f"execution.max_actor_restarts must be >= 0, got {x.max_actor_restarts}")
     _check(x.on_client_error in ON_CLIENT_ERROR,
            f"execution.on_client_error must be one of {', '.join(ON_CLIENT_ERROR)}, got {x.on_client_error!r}")

@@ -146,6 +146,11 @@ class ExecutionConfig:
     server_cpus: float = field(default=0.0, metadata=RESUMABLE)
     server_gpus: float = field(default=0.0, metadata=RESUMABLE)
     num_threads: int = 1  # torch threads per actor (results are bitwise reproducible for a fixed value)
+    # clients a host trains at once, each on its own thread (with num_threads torch threads each), for methods
+    # whose clients' steps are independent (Method.independent_clients: the zoo methods); results are bitwise
+    # the same for any value. 0 = as many as the host has CPUs: the cores this process may use (inline), the
+    # actor's client_cpus (ray)
+    client_threads: int = field(default=0, metadata=RESUMABLE)
     device: str = field(default="auto", metadata=RESUMABLE)  # auto | cpu | cuda
     autocast: str = "off"  # off | bf16 | fp16: the frozen text tower under torch.autocast (fp16 needs CUDA)
     compile: bool = False  # torch.compile the text tower's forward (refused with DP-SGD: see README "GPUs")

@@ -27,7 +27,7 @@ from raysim.engine.batched import stacked_round, stacks_clients
 from raysim.engine.client_round import ClientReport, check_round, merge_phases
 from raysim.engine.cluster import init_ray, plan_hosts
 from raysim.engine.evaluation import merge_hits
-from raysim.engine.hosts import ClientHost, FederationData, ServerHost
+from raysim.engine.hosts import ClientHost, FederationData, ServerHost, host_client_threads
 from raysim.methods import get_method
 
 log = logging.getLogger(__name__)
@@ -154,6 +154,11 @@ class RayBackend:
         self.global_eval = method.predicts_globally()
         self.stacked = stacks_clients(cfg, method)
         self.home = {c: i for i, g in enumerate(self.groups) for c in g}
+        threads = host_client_threads(cfg.execution) * cfg.execution.num_threads  # client_threads=0: client_cpus
+        if method.independent_clients() and threads > max(1.0, cfg.execution.client_cpus):
+            log.warning("each client actor runs %d threads (client_threads x num_threads) on %g reserved CPUs (client_cpus): "
+                        "raise execution.client_cpus to %d, or lower client_threads, so the actors do not oversubscribe the cores",
+                        threads, cfg.execution.client_cpus, threads)
         self.restarts = 0
         self.release_first = bool(get_method(cfg.method).release_first)
         self._round: dict[str, Any] = {}  # this round's inputs, kept until commit (to replay it on a new actor)

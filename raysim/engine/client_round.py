@@ -258,17 +258,61 @@ class ClientRound:
         self.reports.append(ClientReport(cid, loss, up.nbytes(), host.epsilon(cid), dict(result.metrics)))
         return True
 
-    def run(self, client_ids: Sequence[int],
-            step: Callable[[int, "RoundPrivacy"], "LocalResult"]) -> tuple[list[Upload], list[ClientReport]]:
+    def run(self, client_ids: Sequence[int], step: Callable[[int, "RoundPrivacy"], "LocalResult"], *,
+            workers: int = 1) -> tuple[list[Upload], list[ClientReport]]:
         """Client by client, in id order: open the client's privacy handle, `attempt` its `step(cid, privacy)`
         (timed, its upload's finiteness checked) and `settle` the outcome (under drop, what the round may change
-        is saved first); under fail, stop at the first failed client."""
-        for cid in sorted(client_ids):
+        is saved first); under fail, stop at the first failed client. With `workers` > 1 (the host's method
+        declares independent clients) the steps run at once on that many threads (`run_concurrently`)."""
+        ids = sorted(client_ids)
+        if workers > 1 and len(ids) > 1:
+            return self.run_concurrently(ids, step, workers)
+        for cid in ids:
             saved = self.save(cid) if self.policy.drop else None
             privacy = self.host.open_privacy(cid, self.round_idx, self.shared)
             outcome = attempt(cid, lambda: step(cid, privacy), self.policy, phase=self.phase, round_idx=self.round_idx)  # noqa: B023 - called at once
             if not self.settle(outcome, privacy, saved):
                 break
+        return self.result()
+
+    def run_concurrently(self, ids: list[int], step: Callable[[int, "RoundPrivacy"], "LocalResult"],
+                         workers: int) -> tuple[list[Upload], list[ClientReport]]:
+        """`run` with the clients' steps on `workers` threads. This thread does everything that touches the
+        host's shared state, in id order: before the steps, each client's saved state, private state (made
+        from its own stream on first use), data slice and privacy handle; after them, `settle` (its upload
+        checked, privatised and accounted, its private state kept). The threads run only the steps, each a
+        function of its client's own inputs and stream (Method.independent_clients), so every client computes
+        exactly what it computes client by client, and the uploads and reports come out in the same order:
+        the results are bitwise the same. Under fail the settling stops at the first failed client, as
+        client by client; the clients after it trained but are not settled (nothing of theirs is kept; their
+        privacy state is put back). A step's time (client_timeout) is its wall time on its thread, which
+        the other threads' load lengthens."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        host = self.host
+        opened = []
+        for cid in ids:
+            saved = self.save(cid, private=self.policy.drop)
+            host.private_state(cid)
+            host.client_data(cid)
+            opened.append((cid, saved, host.open_privacy(cid, self.round_idx, self.shared)))
+
+        def one(cid: int, privacy: "RoundPrivacy") -> ClientOutcome:
+            return attempt(cid, lambda: step(cid, privacy), self.policy, phase=self.phase, round_idx=self.round_idx)
+
+        unsettled: list[tuple[int, Saved, "RoundPrivacy"]] = []
+        with ThreadPoolExecutor(max_workers=min(workers, len(ids)), thread_name_prefix="raysim-client") as pool:
+            futures = [pool.submit(one, cid, privacy) for cid, _, privacy in opened]
+            try:
+                for k, ((_, saved, privacy), fut) in enumerate(zip(opened, futures)):
+                    if not self.settle(fut.result(), privacy, saved if self.policy.drop else None):
+                        unsettled = opened[k + 1:]
+                        break
+            finally:
+                for fut in futures:
+                    fut.cancel()
+        for cid, saved, _ in unsettled:  # every step has returned (the pool waited): nothing writes their state now
+            host.restore_privacy(cid, saved.privacy)
         return self.result()
 
     def result(self) -> tuple[list[Upload], list[ClientReport]]:

@@ -61,7 +61,8 @@ class ClientHost:
     """Hosts a fixed set of clients for the whole run (one Ray actor, or in-process)."""
 
     def __init__(self, cfg: RunConfig, data: FederationData, client_ids: list[int], out_dir: str, resume_round: int = -1) -> None:
-        torch.set_num_threads(cfg.execution.num_threads)
+        torch.set_num_threads(cfg.execution.num_threads)  # process-wide: every client thread's torch ops use as many
+        self.client_threads = host_client_threads(cfg.execution)
         self.cfg = cfg
         self.method = make_method(cfg)
         spec = env_spec(cfg, data.classnames)
@@ -273,7 +274,10 @@ class ClientHost:
         run's client policy (raysim/engine/client_round.py). Each phase draws from its own stream,
         generator(seed, phase, round, client)."""
         step = self.local_step(phase, round_idx, shared)
-        return ClientRound(self, round_idx, shared, phase=phase, policy=self.policy).run(client_ids, step)
+        workers = self.client_threads if self.method.independent_clients() else 1
+        if workers > 1 and self.privacy.dp.enabled:
+            self.participation  # noqa: B018 - computed here, once, before the client threads read it
+        return ClientRound(self, round_idx, shared, phase=phase, policy=self.policy).run(client_ids, step, workers=workers)
 
     @torch.no_grad()
     def evaluate(self, shared: dict[str, torch.Tensor], client_ids: Optional[list[int]] = None,
@@ -317,6 +321,27 @@ class ClientHost:
 
     def device_info(self) -> dict[str, Any]:
         return {"device": str(self.device), "clients": self.clients, "cuda": torch.cuda.is_available()}
+
+
+def host_client_threads(execution: Any) -> int:
+    """How many clients a host trains at once (execution.client_threads; 0: as many as the host has CPUs, i.e.
+    the cores this process may use on the inline backend, the actor's client_cpus on Ray, at least 1)."""
+    n = int(execution.client_threads)
+    if n > 0:
+        return n
+    if execution.backend == "ray":
+        return max(1, int(execution.client_cpus))
+    return available_cores()
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS tells it, else os.cpu_count())."""
+    import os
+
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - macOS, Windows
+        return max(1, os.cpu_count() or 1)
 
 
 def server_classnames(method: Method, classnames: list[str]) -> list[str]:

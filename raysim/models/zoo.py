@@ -203,13 +203,28 @@ def arch_of(family_name: str, client_id: int) -> str:
     return archs[client_id % len(archs)]
 
 
+# the architectures with a dropout layer in train mode (its masks are drawn from torch's global RNG):
+# tests/models/test_zoo.py checks the list against the built models
+DROPOUT_ARCHS: frozenset[str] = frozenset({"googlenet", "htfllib_mobilenet_v2"})
+
+
+def uses_global_rng(family_name: str = "", arch: str = "") -> bool:
+    """Whether a model of the family (or, with no family, the architecture `arch`) draws from torch's global
+    RNG when it trains (a dropout layer)."""
+    archs = family(family_name) if family_name else (arch.lower(),)
+    return any(a in DROPOUT_ARCHS for a in archs)
+
+
 def make_client_model(arch: str, feature_dim: int, num_classes: int, *, image_size: int = 32, seed: int = 0) -> HtModel:
-    """A freshly initialised client model; the init is a function of `seed` only (global RNG untouched)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    """A freshly initialised client model; the init is a function of `seed` only (global RNG untouched, and
+    held under raysim.sampling's lock: models built at once on a host's client threads get their own inits)."""
+    from raysim.sampling import seeded_global_rng
+
+    with seeded_global_rng(seed):
         return HtModel(arch, feature_dim, num_classes, image_size)
 
 
 __all__: list[str] = [
-    "FAMILIES", "FedAvgCNN", "HtModel", "ResNetN", "arch_of", "build_extractor", "family", "make_client_model",
+    "DROPOUT_ARCHS", "FAMILIES", "FedAvgCNN", "HtModel", "ResNetN", "arch_of", "build_extractor", "family", "make_client_model",
+    "uses_global_rng",
 ]
