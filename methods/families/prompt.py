@@ -1,5 +1,6 @@
 """What the CLIP prompt-tuning methods (FedSEPT and its baselines, zeroshot) share: the base that builds the
-frozen CLIP env and computes s * <v(x), t_c>, the client-batched round of a one-context method, the attack
+frozen CLIP env and computes s * <v(x), t_c>, the local round of a method described by step hooks (one client,
+or a client-batched stack: PromptFL, DP-FPL, FedPGP), the attack
 hook's loss split, the prompt optimiser of SPEC 1.7 and a seeded block for dropout and nn init."""
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ class ClipPromptMethod(Method):
     # for one client and the host may train the clients it holds in one stack with `batched_local_train`, the
     # same loop for a stack. The default hooks are PromptFL's step: one context, CE on s <v(x), t_c(ctx)>.
     batched_context: ClassVar[str] = ""
+    # True: a stack's forward is CoOpPrompts.text_features over all its contexts, each client's rows computed as its
+    # own forward computes them (bitwise client by client without DP), instead of the faster shared-prefix forward
+    stack_full_forward: bool = False
 
     def supports_batching(self) -> bool:
         """True when `batched_local_train` is this method's local_train, stacked: `batched_context` is set by the
@@ -119,8 +123,6 @@ class ClipPromptMethod(Method):
 
         forward = env.prompts.text_features if self.stack_full_forward else (lambda ctx: stacked_text_features(env.prompts, ctx))
         return self.train_clients(env, shared, jobs, privacy, forward)
-
-    stack_full_forward: bool = False  # True: a stack's forward is CoOpPrompts.text_features over all its contexts
 
     def train_clients(self, env, shared: dict[str, Tensor], jobs: Sequence[ClientJob], privacy,
                       forward: Callable[[Tensor], Tensor]) -> list[LocalResult]:

@@ -23,6 +23,8 @@ DP      dp_mode=per_example (default): DP-SGD on G through `privacy.backward`, a
         the code's one optimiser shared by all clients (its momentum on G is stepped K times per step) and
         its stepping every client's U, V with the last client's gradients (the model object is shared).
         Optimiser state is fresh each round here, as for every method (SPEC 1.7 [decide]).
+Stacks  dp_mode=per_example trains client-batched stacks (execution.batch_clients): the step hooks below are
+        its local round for one client or a stack (ClipPromptMethod.train_clients); reference goes client by client.
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ DP      DP-SGD on G alone; U and V take the plain gradient. L_con does not depen
         per-example gradient of a method that keeps non-private local tensors (the papers' threat model).
 Server  FedAvg of G; the client's model is the latest G with its own U, V.
 
+Stacks  the step hooks below are the local round for one client or a client-batched stack
+        (ClipPromptMethod.train_clients, execution.batch_clients).
+
 `train.ctx_init` is not used: G starts random and t0 uses the placeholder prompts, as in FedSEPT's runs.
 """
 
