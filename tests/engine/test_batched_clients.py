@@ -29,7 +29,8 @@ def hosts(tmp_path, cache_dir, *, dp=0.0, sampling="poisson", **extra):
     execution = extra.pop("execution", {})
     train = extra.pop("train", {})
     for batch in (False, True):
-        values = dict(train={"num_clients": CLIENTS, "batch_size": 8, "n_ctx": 4, **train}, data={"shots": 0, "partition": "dirichlet", "beta": 0.5},
+        values = dict(train={"num_clients": CLIENTS, "batch_size": 8, "n_ctx": 4, **train},
+                      data={"shots": 0, "partition": "dirichlet", "beta": 0.5},
                       execution={"batch_clients": batch, **execution}, **extra)
         if dp:
             values["dp"] = {"epsilon": dp, "sampling": sampling}

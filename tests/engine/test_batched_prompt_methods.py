@@ -44,7 +44,10 @@ def worst(seq, bat, rounds) -> float:
     must be equal exactly (which clients, sample counts, ledgers: counts and multipliers)."""
     diff = 0.0
     for (ua, ra), (ub, rb) in rounds:
-        assert [(u.client_id, u.num_samples, sorted(u.tensors)) for u in ua] == [(u.client_id, u.num_samples, sorted(u.tensors)) for u in ub]
+        def who(us):
+            return [(u.client_id, u.num_samples, sorted(u.tensors)) for u in us]
+
+        assert who(ua) == who(ub)
         assert [(r.client_id, r.dropped, r.bytes_up) for r in ra] == [(r.client_id, r.dropped, r.bytes_up) for r in rb]
         for x, y in zip(ua, ub):
             diff = max(diff, *((x.tensors[k] - y.tensors[k]).abs().max().item() for k in x.tensors))
