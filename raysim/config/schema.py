@@ -158,8 +158,8 @@ class ExecutionConfig:
     # client-batched local training (raysim/engine/batched.py): the round's participants, in id order, train in
     # stacks of up to stack_size, one text-tower forward per step for the stack, for methods that support it
     # (PromptFL, DP-FPL per_example, FedPGP); the stacks do not depend on the hosts (a stack's members of other
-    # hosts are brought to the host of its first member), so results are bitwise the same on any backend and pool size; equal to client by client
-    # up to float reassociation (1e-5 for PromptFL; docs/concepts/architecture.md). false: client by client
+    # hosts are brought to the host of its first member), so results are bitwise the same on any backend and pool
+    # size; equal to client by client up to float reassociation (1e-5 for PromptFL; docs/concepts/architecture.md). false: client by client
     batch_clients: bool = True
     stack_size: int = 64
 
