@@ -4,8 +4,8 @@ A method that supports it (`supports_batching()`: PromptFL, DP-FPL with dp_mode=
 `ClipPromptMethod.batched_context` and its step hooks) trains a stack of clients with `batched_local_train`: one
 text-tower forward per step over the stacked contexts of all clients (K x n x C prompts) instead of K forwards.
 What stays per client is everything that makes a client: its own batches (from its own rng), loss, SGD
-state, privacy handle (`privacy.open` / `close`, its calibrated multiplier, its DP-SGD noise stream, its ledger) and its report. `StackPrivacy`
-is the privacy handle of a stack: one backward gives every client the gradient of its own loss alone,
+state, privacy handle (`privacy.open` / `close`, its calibrated multiplier, its DP-SGD noise stream, its
+ledger) and its report. `StackPrivacy` is the privacy handle of a stack: one backward gives every client the gradient of its own loss alone,
 or under DP-SGD every client's per-example gradients (the clients' examples side by side, one vmapped
 backward), clipped and noised client by client by the client's own `DPSGD` (privacy/dpsgd.py); a client's
 private tensors (`other_params`) take the plain gradient of its whole loss, from the same backward.
