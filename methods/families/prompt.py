@@ -1,12 +1,13 @@
 """What the CLIP prompt-tuning methods (FedSEPT and its baselines, zeroshot) share: the base that builds the
-frozen CLIP env and computes s * <v(x), t_c>, the client-batched round of a one-context method, the attack
+frozen CLIP env and computes s * <v(x), t_c>, the local round of a method described by step hooks (one client,
+or a client-batched stack: PromptFL, DP-FPL, FedPGP), the attack
 hook's loss split, the prompt optimiser of SPEC 1.7 and a seeded block for dropout and nn init."""
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -72,10 +73,15 @@ class ClipPromptMethod(Method):
         raise ConfigError(f"{self.name} does not declare loss_parts, so gradient inversion cannot attack it")
 
     # -- client-batched local training (execution.batch_clients; the host's side is raysim/engine/batched.py) ------
-    # A method whose `local_train` is exactly "SGD from the broadcast value of its one uploaded context by CE on
-    # s <v(x), t_c(ctx)>, the batches drawn from rng and nothing else, private state untouched" (PromptFL) names
-    # that upload here; the host may then train the clients it holds in one stack with `batched_local_train`.
+    # A method whose local step is "SGD on tensors started from the broadcast and private state, a loss on the
+    # text features of some contexts built from them, batches drawn from rng" sets `batched_context` (the name of
+    # its uploaded context) and describes its step with the hooks below; its `local_train` is then `train_clients`
+    # for one client and the host may train the clients it holds in one stack with `batched_local_train`, the
+    # same loop for a stack. The default hooks are PromptFL's step: one context, CE on s <v(x), t_c(ctx)>.
     batched_context: ClassVar[str] = ""
+    # True: a stack's forward is CoOpPrompts.text_features over all its contexts, each client's rows computed as its
+    # own forward computes them (bitwise client by client without DP), instead of the faster shared-prefix forward
+    stack_full_forward: bool = False
 
     def supports_batching(self) -> bool:
         """True when `batched_local_train` is this method's local_train, stacked: `batched_context` is set by the
@@ -85,38 +91,136 @@ class ClipPromptMethod(Method):
         owner = next(c for c in type(self).__mro__ if "batched_context" in vars(c))
         return type(self).local_train is vars(owner).get("local_train")
 
+    def step_start(self, env, shared: dict[str, Tensor], private: dict[str, Any]) -> "PromptClient":
+        """A client's trained tensors at the start of its round: the uploaded ones (privatised by DP-SGD) from
+        the broadcast, the private ones (plain gradient, SPEC 1.6) from its private state."""
+        return PromptClient({self.batched_context: _leaf(shared[self.batched_context], env)}, {})
+
+    def step_contexts(self, c: "PromptClient") -> Tensor:
+        """The (n, L, w) contexts whose text features a step of client c reads (one forward for a stack)."""
+        return c.dp[self.batched_context][None]
+
+    def step_unused(self, c: "PromptClient") -> Optional[Tensor]:
+        """Contexts a reference code encodes at every step without reading them (their cost, no gradient)."""
+        return None
+
+    def step_loss(self, env, c: "PromptClient", text: Tensor, x: Tensor, y: Tensor) -> "StepLoss":
+        """Client c's loss on its batch (x, y) given the (n, C, D) text features of `step_contexts(c)`."""
+        loss = F.cross_entropy(self.logits(env, x, text[0]), y, reduction="none")
+        return StepLoss(loss, None, {"loss": loss.detach().mean()})
+
+    def step_epoch_end(self, env, c: "PromptClient", rng: torch.Generator) -> None:
+        """After the last batch of each local epoch (DP-FPL re-factorises its private prompt here)."""
+
     def batched_local_train(self, env, shared: dict[str, Tensor], jobs: Sequence[ClientJob], *, privacy) -> list[LocalResult]:
-        """`local_train` of several clients at once. Each client k has its own context ctx_k (from the broadcast
-        value), batches (from its own rng) and SGD state; per step, one text-tower forward over the stacked
-        contexts of the clients that still have batches (A x C prompts), each client's CE on its own batch, and
-        one `privacy.backward` (raysim/engine/batched.py StackPrivacy) that gives every client the gradient (or DP-SGD
-        step, with its own clipping and noise) of its own loss alone. Clients with fewer batches drop out of
-        the stack when they are done. The forward computes each context's prompt prefix once for its C classes
-        (raysim/models/shared_prefix.py). Equal to `local_train` client by client up to float reassociation."""
+        """`local_train` of several clients at once: `train_clients` with one text-tower forward per step over the
+        stacked contexts of the clients that still have batches (A x n contexts, the shared CoOp prefix computed
+        once per context: raysim/models/shared_prefix.py; `stack_full_forward` takes the full forward instead),
+        and one `privacy.backward` (raysim/engine/batched.py StackPrivacy) that gives every client the gradient
+        (or DP-SGD step, with its own clipping and noise) of its own loss alone. Equal to `local_train` client
+        by client up to float reassociation."""
         from raysim.models.shared_prefix import stacked_text_features  # the prefix shared by a context's C prompts, once
 
-        name = self.batched_context
-        ctxs = [shared[name].clone().to(env.device).requires_grad_(True) for _ in jobs]
-        opt = sgd(ctxs, self.train)  # SGD is elementwise per tensor (momentum, weight decay): one per client in effect
-        E = self.train.local_epochs
-        xs = [[j.data.train_inputs(e)[0].to(env.device) for e in range(E)] for j in jobs]  # each epoch's features (data.augment)
+        forward = env.prompts.text_features if self.stack_full_forward else (lambda ctx: stacked_text_features(env.prompts, ctx))
+        return self.train_clients(env, shared, jobs, privacy, forward)
+
+    def train_clients(self, env, shared: dict[str, Tensor], jobs: Sequence[ClientJob], privacy,
+                      forward: Callable[[Tensor], Tensor]) -> list[LocalResult]:
+        """The local round of the step the hooks describe, for the clients `jobs` side by side: each client k has
+        its own tensors (from the broadcast and its private state), batches (drawn from its own rng an epoch at a
+        time, as client by client, since `step_epoch_end` may draw from it too) and SGD state. Per step, one
+        `forward` of the stacked contexts of the clients that still have batches, each client's `step_loss` on
+        its own batch, one `privacy.backward`; clients with fewer batches drop out when they are done. `privacy`
+        is a StackPrivacy, or `OneClient` around a client's own handle (`local_train`)."""
+        cs = [self.step_start(env, shared, j.private) for j in jobs]
+        opt = sgd([p for c in cs for p in c.params()], self.train)  # SGD is elementwise per tensor: per client in effect
         ys = [j.data.y_train.to(env.device) for j in jobs]
-        plans = [[(e, idx) for e in range(E) for idx in privacy.batches(k, j.data.num_train, self.train.batch_size, j.rng)]
-                 for k, j in enumerate(jobs)]  # the rng draws only batches, so drawing them first changes nothing
-        losses: list[list[float]] = [[] for _ in jobs]
-        for step in range(max((len(p) for p in plans), default=0)):
-            active = [k for k, p in enumerate(plans) if step < len(p)]
-            text = stacked_text_features(env.prompts, torch.stack([ctxs[k] for k in active]))  # (A, C, D), one forward
-            per_client = [F.cross_entropy(self.logits(env, xs[k][plans[k][step][0]][plans[k][step][1]], text[a]),
-                                          ys[k][plans[k][step][1]], reduction="none") for a, k in enumerate(active)]
+        steps = [self._steps(privacy, k, j) for k, j in enumerate(jobs)]
+        xs: list[dict[int, Tensor]] = [{} for _ in jobs]
+        terms: list[dict[str, list[float]]] = [{} for _ in jobs]
+        now = [next(s, None) for s in steps]
+        while any(n is not None for n in now):
+            active = [k for k, n in enumerate(now) if n is not None]
+            ctxs = [self.step_contexts(cs[k]) for k in active]
+            text = forward(torch.cat(ctxs)).split([len(t) for t in ctxs])
+            unused = [u for u in (self.step_unused(cs[k]) for k in active) if u is not None]
+            if unused:
+                with torch.no_grad():
+                    forward(torch.cat(unused))
+            parts = []
+            for a, k in enumerate(active):
+                epoch, idx, _ = now[k]
+                if epoch not in xs[k]:  # this epoch's features (a drawn augmented view per image under data.augment)
+                    xs[k] = {epoch: jobs[k].data.train_inputs(epoch)[0].to(env.device)}
+                parts.append(self.step_loss(env, cs[k], text[a], xs[k][epoch][idx], ys[k][idx]))
             opt.zero_grad(set_to_none=True)  # clients out of the stack keep grad None: SGD skips them
-            privacy.backward(active, per_client, [{name: ctxs[k]} for k in active])
+            privacy.backward(active, [p.loss for p in parts], [cs[k].dp for k in active],
+                             [list(cs[k].local.values()) for k in active], [p.public for p in parts])
             opt.step()
-            for k, loss in zip(active, per_client):
-                if len(loss):  # a Poisson batch may be empty (a noise-only step)
-                    losses[k].append(loss.mean().item())
-        return [LocalResult(upload={name: ctx.detach().cpu()}, private=j.private, num_samples=j.data.num_train,
-                            metrics={"loss": sum(ls) / max(1, len(ls))}) for ctx, j, ls in zip(ctxs, jobs, losses)]
+            for k, p in zip(active, parts):
+                if len(p.loss):  # a Poisson batch may be empty (a noise-only step)
+                    for name, v in p.terms.items():
+                        terms[k].setdefault(name, []).append(float(v))
+                if now[k][2]:  # the epoch's last batch
+                    self.step_epoch_end(env, cs[k], jobs[k].rng)
+                now[k] = next(steps[k], None)
+        names = self.client_metrics or ("loss",)
+        return [LocalResult(upload={n: t.detach().cpu() for n, t in c.dp.items()},
+                            private={**j.private, **{n: t.detach().cpu() for n, t in c.local.items()}} if c.local else j.private,
+                            num_samples=j.data.num_train,
+                            metrics={n: sum(ts.get(n, [])) / max(1, len(ts.get(n, []))) for n in names})
+                for c, j, ts in zip(cs, jobs, terms)]
+
+    def _steps(self, privacy, k: int, job: ClientJob) -> Iterator[tuple[int, Tensor, bool]]:
+        """Client k's steps (epoch, batch, last of its epoch), each epoch's batches drawn when it begins."""
+        for epoch in range(self.train.local_epochs):
+            batches = list(privacy.batches(k, job.data.num_train, self.train.batch_size, job.rng))
+            for i, idx in enumerate(batches):
+                yield epoch, idx, i == len(batches) - 1
+
+    def stacked_local_train(self, env, shared, private, data: ClientData, *, rng, privacy) -> LocalResult:
+        """`local_train` of a method whose step the hooks describe: `train_clients` for this client alone, with
+        the full text-tower forward and its own privacy handle."""
+        return self.train_clients(env, shared, [ClientJob(private, data, rng)], OneClient(privacy), env.prompts.text_features)[0]
+
+
+@dataclass
+class PromptClient:
+    """One client's trained tensors in a local round (`ClipPromptMethod.train_clients`): `dp`, the uploaded ones
+    (DP-SGD's dp_params), and `local`, its private ones (plain gradient; returned updated in its private state)."""
+
+    dp: dict[str, Tensor]
+    local: dict[str, Tensor]
+
+    def params(self) -> list[Tensor]:
+        return [*self.dp.values(), *self.local.values()]
+
+
+@dataclass
+class StepLoss:
+    """One client's loss at one step: per example (`loss`, what DP-SGD clips), a data-independent `public` term
+    (its gradient joins after clipping and noise; None: none) and the metrics to log (means over the steps)."""
+
+    loss: Tensor
+    public: Optional[Tensor]
+    terms: dict[str, Any]  # floats or 0-d tensors
+
+
+class OneClient:
+    """A client's own privacy handle in StackPrivacy's shape, for `train_clients` of one client."""
+
+    def __init__(self, privacy) -> None:
+        self.privacy = privacy
+
+    def batches(self, k: int, n: int, batch_size: int, rng: torch.Generator):
+        return self.privacy.batches(n, batch_size, rng)
+
+    def backward(self, clients, losses, dp_params, other_params, public_loss) -> None:
+        self.privacy.backward(losses[0], dp_params=dp_params[0], other_params=other_params[0], public_loss=public_loss[0])
+
+
+def _leaf(t: Tensor, env) -> Tensor:
+    return t.clone().to(env.device).requires_grad_(True)
 
 
 # -- reproducibility -------------------------------------------------------------------------

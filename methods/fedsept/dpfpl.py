@@ -23,6 +23,8 @@ DP      dp_mode=per_example (default): DP-SGD on G through `privacy.backward`, a
         the code's one optimiser shared by all clients (its momentum on G is stepped K times per step) and
         its stepping every client's U, V with the last client's gradients (the model object is shared).
         Optimiser state is fresh each round here, as for every method (SPEC 1.7 [decide]).
+Stacks  dp_mode=per_example trains client-batched stacks (execution.batch_clients): the step hooks below are
+        its local round for one client or a stack (ClipPromptMethod.train_clients); reference goes client by client.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torch import Tensor
 
 from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, LocalResult, register_method, weighted_mean
-from raysim.methods.families.prompt import ClipPromptMethod, PromptLossParts, sgd
+from raysim.methods.families.prompt import ClipPromptMethod, PromptClient, PromptLossParts, StepLoss
 from raysim.privacy.mechanisms import dpsgd, reference
 from raysim.privacy.mechanisms.dpfpl_reference import local_noise_std, server_noise_std
 from raysim.sampling import batches_per_epoch, generator
@@ -90,6 +92,7 @@ class DPFPL(ClipPromptMethod):
     Options = DPFPLOptions
     releases = {"global_ctx": dpsgd()}
     server_only = ("momentum", "lockstep")  # dp_mode=reference: the server's optimiser state and step counter
+    batched_context = "global_ctx"  # dp_mode=per_example: local_train is the step hooks below, which stack clients
 
     def __init__(self, train, options, dp=None) -> None:
         super().__init__(train, options, dp)
@@ -154,35 +157,35 @@ class DPFPL(ClipPromptMethod):
     def prompt(self, G: Tensor, U: Tensor, V: Tensor, S: Tensor) -> Tensor:
         return G + U @ V + S
 
+    def supports_batching(self) -> bool:
+        """dp_mode=per_example stacks clients (plain or DP-SGD steps); the lock-step reference round does not."""
+        return not self.lockstep and super().supports_batching()
+
     def local_train(self, env, shared, private, data: ClientData, *, rng, privacy) -> LocalResult:
         if self.lockstep:
             return self._lockstep_train(env, shared, private, data, rng=rng, privacy=privacy)
+        return self.stacked_local_train(env, shared, private, data, rng=rng, privacy=privacy)  # the steps below
+
+    # the local round of dp_mode=per_example (ClipPromptMethod.train_clients, one client or a stack): G, U, V, S
+    # from the broadcast and the private state; per step CE on s cos(v(x), t_c(G + U V + S)), DP-SGD on G only
+    def step_start(self, env, shared, private) -> PromptClient:
         G = shared["global_ctx"].clone().to(env.device).requires_grad_(True)
         U, V, S = (private[k].clone().to(env.device).requires_grad_(True) for k in ("U", "V", "residual"))
-        opt = sgd([G, U, V, S], self.train)
-        y = data.y_train.to(env.device)
-        losses = []
-        for epoch in range(self.train.local_epochs):
-            x = data.train_inputs(epoch)[0].to(env.device)  # this epoch's features (a drawn augmented view per image under data.augment)
-            batches = list(privacy.batches(data.num_train, self.train.batch_size, rng))
-            for i, idx in enumerate(batches):
-                text = env.prompts.text_features(self.prompt(G, U, V, S))
-                loss = F.cross_entropy(self.logits(env, x[idx], text), y[idx], reduction="none")
-                opt.zero_grad(set_to_none=True)
-                privacy.backward(loss, dp_params={"global_ctx": G}, other_params=[U, V, S])
-                opt.step()
-                if len(idx):  # a Poisson batch may be empty (a noise-only step)
-                    losses.append(loss.mean().item())
-                if i == len(batches) - 1:  # the last batch of the epoch: re-factorise U V + S afresh
-                    with torch.no_grad():
-                        for p, new in zip((U, V, S), factorize(U @ V + S, self.rank(env), rng)):
-                            p.copy_(new)  # in place: the optimiser keeps its state, as the reference code does
-        return LocalResult(
-            upload={"global_ctx": G.detach().cpu()},
-            private={"U": U.detach().cpu(), "V": V.detach().cpu(), "residual": S.detach().cpu()},
-            num_samples=data.num_train,
-            metrics={"loss": sum(losses) / max(1, len(losses))},
-        )
+        return PromptClient({"global_ctx": G}, {"U": U, "V": V, "residual": S})
+
+    def step_contexts(self, c: PromptClient) -> Tensor:
+        return self.prompt(c.dp["global_ctx"], *c.local.values())[None]
+
+    def step_loss(self, env, c: PromptClient, text: Tensor, x: Tensor, y: Tensor) -> StepLoss:
+        loss = F.cross_entropy(self.logits(env, x, text[0]), y, reduction="none")
+        return StepLoss(loss, None, {"loss": loss.detach().mean()})
+
+    def step_epoch_end(self, env, c: PromptClient, rng: torch.Generator) -> None:
+        """After the last batch of the epoch: re-factorise U V + S afresh."""
+        U, V, S = c.local.values()
+        with torch.no_grad():
+            for p, new in zip((U, V, S), factorize(U @ V + S, self.rank(env), rng)):
+                p.copy_(new)  # in place: the optimiser keeps its state, as the reference code does
 
     def _lockstep_train(self, env, shared, private, data: ClientData, *, rng, privacy) -> LocalResult:
         """One lock-step of client k (dp_mode=reference): one batch of its current epoch, the clipped

@@ -19,12 +19,16 @@ DP      DP-SGD on G alone; U and V take the plain gradient. L_con does not depen
         per-example gradient of a method that keeps non-private local tensors (the papers' threat model).
 Server  FedAvg of G; the client's model is the latest G with its own U, V.
 
+Stacks  the step hooks below are the local round for one client or a client-batched stack
+        (ClipPromptMethod.train_clients, execution.batch_clients).
+
 `train.ctx_init` is not used: G starts random and t0 uses the placeholder prompts, as in FedSEPT's runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +36,7 @@ from torch import Tensor
 
 from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, LocalResult, register_method, weighted_mean
-from raysim.methods.families.prompt import ClipPromptMethod, sgd
+from raysim.methods.families.prompt import ClipPromptMethod, PromptClient, StepLoss
 from raysim.privacy.mechanisms import dpsgd
 
 
@@ -70,6 +74,7 @@ class FedPGP(ClipPromptMethod):
     Options = FedPGPOptions
     releases = {"global_ctx": dpsgd()}
     client_metrics = ("loss", "ce", "contrast")
+    batched_context = "global_ctx"  # local_train is the step hooks below, which stack clients
 
     def init_shared(self, env, rng):
         return {"global_ctx": torch.randn(self.train.n_ctx, env.ctx_width, generator=rng) * 0.02}
@@ -83,42 +88,45 @@ class FedPGP(ClipPromptMethod):
         return {"global_ctx": weighted_mean(uploads, "global_ctx")}
 
     def local_train(self, env, shared, private, data: ClientData, *, rng, privacy) -> LocalResult:
-        o = self.opts
+        return self.stacked_local_train(env, shared, private, data, rng=rng, privacy=privacy)  # the steps below
+
+    # the local round (ClipPromptMethod.train_clients, one client or a stack): G from the broadcast, U, V private
+    def step_start(self, env, shared, private) -> PromptClient:
         G = shared["global_ctx"].clone().to(env.device).requires_grad_(True)
         U = private["U"].clone().to(env.device).requires_grad_(True)
         V = private["V"].clone().to(env.device).requires_grad_(True)
-        opt = sgd([G, U, V], self.train)
-        y = data.y_train.to(env.device)
-        t0 = env.prompts.plain_text_features()  # "X X ... X <class>.": no learned context, constant
-        terms: dict[str, list[float]] = {"loss": [], "ce": [], "contrast": []}
-        for epoch in range(self.train.local_epochs):
-            x = data.train_inputs(epoch)[0].to(env.device)  # this epoch's features (a drawn augmented view per image under data.augment)
-            for idx in privacy.batches(data.num_train, self.train.batch_size, rng):
-                UV = U @ V
-                t_full, t_global = env.prompts.text_features(torch.stack([G + UV, G])).unbind(0)
-                if o.uv_features:
-                    with torch.no_grad():  # the official code encodes it every step and never uses it
-                        env.prompts.text_features(UV)
-                ce = F.cross_entropy(self.logits(env, x[idx], t_full), y[idx], reduction="none")
-                raw = prompt_contrast(t0, t_global, t_full, o.temperature)
-                contrast = o.weight * raw
-                if o.contrast_outside_dp:
-                    loss, public = ce, contrast  # its gradient joins after clipping and noise
-                else:
-                    loss, public = ce + contrast, None  # per example, before clipping (official placement)
-                opt.zero_grad(set_to_none=True)
-                privacy.backward(loss, dp_params={"global_ctx": G}, other_params=[U, V], public_loss=public)
-                opt.step()
-                if len(idx):  # a Poisson batch may be empty (a noise-only step)
-                    terms["ce"].append(ce.mean().item())
-                    terms["contrast"].append(float(raw.detach()))  # L_con itself; "loss" has mu * L_con
-                    terms["loss"].append(terms["ce"][-1] + float(contrast.detach()))
-        return LocalResult(
-            upload={"global_ctx": G.detach().cpu()},
-            private={"U": U.detach().cpu(), "V": V.detach().cpu()},
-            num_samples=data.num_train,
-            metrics={k: sum(v) / max(1, len(v)) for k, v in terms.items()},
-        )
+        return PromptClient({"global_ctx": G}, {"U": U, "V": V})
+
+    def step_contexts(self, c: PromptClient) -> Tensor:
+        """The full prompt G + U V and the global-only G: t_P and t_G."""
+        G, (U, V) = c.dp["global_ctx"], c.local.values()
+        return torch.stack([G + U @ V, G])
+
+    def step_unused(self, c: PromptClient) -> Optional[Tensor]:
+        """The UV-only prompt: the official code encodes it every step and never uses it."""
+        U, V = c.local.values()
+        return (U @ V)[None] if self.opts.uv_features else None
+
+    def step_loss(self, env, c: PromptClient, text: Tensor, x: Tensor, y: Tensor) -> StepLoss:
+        o = self.opts
+        t_full, t_global = text.unbind(0)
+        ce = F.cross_entropy(self.logits(env, x, t_full), y, reduction="none")
+        raw = prompt_contrast(self.plain_features(env), t_global, t_full, o.temperature)
+        contrast = o.weight * raw
+        terms = {"ce": float(ce.detach().mean()), "contrast": float(raw.detach())}  # L_con itself; "loss" has mu * L_con
+        terms["loss"] = terms["ce"] + float(contrast.detach())
+        if o.contrast_outside_dp:
+            return StepLoss(ce, contrast, terms)  # its gradient joins after clipping and noise
+        return StepLoss(ce + contrast, None, terms)  # per example, before clipping (official placement)
+
+    @staticmethod
+    def plain_features(env) -> Tensor:
+        """t0: the text features of "X X ... X <class>." (no learned context), constant: computed once per env."""
+        t0 = getattr(env, "_fedpgp_t0", None)
+        if t0 is None:
+            t0 = env.prompts.plain_text_features()
+            env._fedpgp_t0 = t0
+        return t0
 
     def predictor(self, env, shared, private, data=None):
         """The latest global context with the client's own U V (SPEC 1.8)."""

@@ -168,9 +168,9 @@ class ExecutionConfig:
     min_clients: int = field(default=1, metadata=RESUMABLE)
     # client-batched local training (raysim/engine/batched.py): the round's participants, in id order, train in
     # stacks of up to stack_size, one text-tower forward per step for the stack, for methods that support it
-    # (PromptFL); the stacks do not depend on the hosts (a stack's members of other hosts are brought to the host of
-    # its first member), so results are bitwise the same on any backend and pool size; equal to client by client
-    # up to float reassociation (1e-5). false: client by client
+    # (PromptFL, DP-FPL per_example, FedPGP); the stacks do not depend on the hosts (a stack's members of other
+    # hosts are brought to the host of its first member), so results are bitwise the same on any backend and pool
+    # size; equal to client by client up to float reassociation (1e-5 for PromptFL; docs/concepts/architecture.md). false: client by client
     batch_clients: bool = True
     stack_size: int = 64
 

@@ -1,16 +1,18 @@
 """Client-batched local training: the clients of a stack share one frozen text tower and train together.
 
-A method that supports it (`supports_batching()`, e.g. PromptFL through `ClipPromptMethod.batched_context`)
-trains a stack of clients with `batched_local_train`: one text-tower forward per step over the
-stacked contexts of all clients (K x C prompts) instead of K forwards. What stays per client is everything
-that makes a client: its own batches (from its own rng), loss, SGD state, privacy handle (`privacy.open` /
-`close`, its calibrated multiplier, its DP-SGD noise stream, its ledger) and its report. `StackPrivacy`
-is the privacy handle of a stack: one backward gives every client the gradient of its own loss alone,
+A method that supports it (`supports_batching()`: PromptFL, DP-FPL with dp_mode=per_example and FedPGP, through
+`ClipPromptMethod.batched_context` and its step hooks) trains a stack of clients with `batched_local_train`: one
+text-tower forward per step over the stacked contexts of all clients (K x n x C prompts) instead of K forwards.
+What stays per client is everything that makes a client: its own batches (from its own rng), loss, SGD
+state, privacy handle (`privacy.open` / `close`, its calibrated multiplier, its DP-SGD noise stream, its
+ledger) and its report. `StackPrivacy` is the privacy handle of a stack: one backward gives every client the gradient of its own loss alone,
 or under DP-SGD every client's per-example gradients (the clients' examples side by side, one vmapped
-backward), clipped and noised client by client by the client's own `DPSGD` (privacy/dpsgd.py).
+backward), clipped and noised client by client by the client's own `DPSGD` (privacy/dpsgd.py); a client's
+private tensors (`other_params`) take the plain gradient of its whole loss, from the same backward.
 
 Results equal the client-by-client path up to float reassociation (the stacked forward computes the
-shared prompt prefix once, in matmuls of other shapes; tests allow 1e-5), and are bitwise the same on any
+shared prompt prefix once, in matmuls of other shapes; tests allow 1e-5 for PromptFL and FedPGP at mu=1, 2e-4
+for DP-FPL, whose training magnifies the last bits; with the full forward and no DP they are bitwise equal), and are bitwise the same on any
 backend and pool size: a round's stacks are its sorted participants cut into chunks of execution.stack_size
 (`plan_stacks`), whichever hosts hold them. The host of a stack's first member trains it (`route_stacks`);
 the stack's members of other hosts are its guests for that call (`stacked_round`, the driver's side for both
@@ -42,7 +44,7 @@ from torch import Tensor
 
 from raysim.engine.client_round import ClientRound, judge
 from raysim.methods.families.prompt import ClientJob
-from raysim.privacy.dpsgd import DPSGD, NoDP, per_sample_grads
+from raysim.privacy.dpsgd import DPSGD, NoDP, _per_sample_and_sum
 from raysim.sampling import generator
 
 if TYPE_CHECKING:
@@ -85,6 +87,8 @@ class StackPrivacy:
             _set_plain(sum(terms), [t for named, o in zip(dp_params, others) for t in [*named.values(), *o]])
             for s in steppers:
                 s.steps += 1
+                if s.on_step is not None:
+                    s.on_step()
             return
         assert all(isinstance(s, DPSGD) for s in steppers), "StackPrivacy.supports admits only NoDP or DPSGD stacks"
         sizes = [int(loss.shape[0]) for loss in losses]
@@ -92,25 +96,35 @@ class StackPrivacy:
             if b == 0 and s.expected_batch is None:
                 raise ValueError("DP-SGD step on an empty batch")
         flat = [t for named in dp_params for t in named.values()]
-        pub_grads: list[Optional[Tensor]] = [None] * len(flat)
+        # the other tensors of the clients with examples take the plain gradient of their client's whole loss,
+        # from the same batched backward passes as the per-example gradients (as in DPSGD.backward)
+        mine = [[p for p in o if p.requires_grad] if b > 0 else [] for o, b in zip(others, sizes)]
+        flat_others = [p for o in mine for p in o]
+        pub_grads: list[Optional[Tensor]] = [None] * (len(flat) + len(flat_others))
         if any(p is not None for p in public):
             pub = sum(p for p in public if p is not None)
             assert isinstance(pub, Tensor)
-            pub_grads = list(torch.autograd.grad(pub, flat, retain_graph=True, allow_unused=True))
+            pub_grads = list(torch.autograd.grad(pub, flat + flat_others, retain_graph=True, allow_unused=True))
         rows = max(sizes, default=0)
         if rows:  # row r holds example r of every client: its gradient w.r.t. client a's tensors is that example's
             stacked = torch.stack([F.pad(loss, (0, rows - b)) for loss, b in zip(losses, sizes)], dim=1).sum(dim=1)
-            grads = per_sample_grads(stacked, flat, microbatch=steppers[0].microbatch)
+            grads, sums = _per_sample_and_sum(stacked, flat, flat_others, microbatch=steppers[0].microbatch)
         else:
             grads = [torch.zeros((0, *t.shape), dtype=t.dtype, device=t.device) for t in flat]
+            sums = []
         j = 0
         for s, named, b in zip(steppers, dp_params, sizes):
             n = len(named)
             s.apply_per_example(named, [g[:b] for g in grads[j:j + n]], b, pub_grads[j:j + n])
             j += n
-        plain = [(loss.mean() + (p if p is not None else 0), o) for loss, p, o, b in zip(losses, public, others, sizes) if b > 0 and o]
-        if plain:  # the other tensors get the plain gradient of their client's whole loss, as in DPSGD.backward
-            _set_plain(sum(t for t, _ in plain), [t for _, o in plain for t in o])
+        for o, b in zip(mine, sizes):
+            for p in o:
+                total = sums[j - len(flat)] / b
+                pg = pub_grads[j]
+                if pg is not None:
+                    total = total + pg.detach()
+                p.grad = total.detach().to(p.dtype)
+                j += 1
         for s, named in zip(steppers, dp_params):
             s.record_step(named)
 
