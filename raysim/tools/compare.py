@@ -265,7 +265,8 @@ def execute(spec: CompareSpec, out: Path, *, log: Callable[[str], None], max_con
         name = run_name(entry, cell, cfg, spec)
         if state == "same":
             j = same[i]
-            log(f"[{i + 1}/{len(configs)}] {name}: the same config as [{j + 1}] {run_name(configs[j][1], configs[j][0], configs[j][3], spec)}"
+            earlier = run_name(configs[j][1], configs[j][0], configs[j][3], spec)
+            log(f"[{i + 1}/{len(configs)}] {name}: the same config as [{j + 1}] {earlier}"
                 f" (only its cell differs); made once, read from {configs[j][2]}")
             continue
         if state == "finished":

@@ -616,7 +616,8 @@ def _remake_command(m: dict, cfg: dict) -> str:
     return " ".join(parts)
 
 
-CONTEXT_ROWS = {"phrase": "\"a photo of a\" (CoOp's CTX_INIT)", "zero": "zeros (FedSEPT's shared prompt A B0 starts next to it: entries of std 0.0016 at rank 16)",
+CONTEXT_ROWS = {"phrase": "\"a photo of a\" (CoOp's CTX_INIT)",
+                "zero": "zeros (FedSEPT's shared prompt A B0 starts next to it: entries of std 0.0016 at rank 16)",
                 "gauss": "N(0, 0.02^2) (CoOp's random start; mean of 5 draws)",
                 "tokens": "random token ids (mean of 5 draws)"}
 

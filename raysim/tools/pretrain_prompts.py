@@ -111,7 +111,8 @@ def context_zero_shot(model, model_name: str, images: torch.Tensor, labels: np.n
                       n_random: int = 5, seed: int = 0, batch_size: int = 512) -> dict:
     """Zero-shot accuracy (%) through the prompt learner's CoOp prompts with L=`n_ctx` context vectors:
     "phrase" ("a photo of a", CoOp's CTX_INIT), "zero" (all zeros: FedSEPT's shared prompt A B0, A and B0 ~ N(0, 0.02^2), starts
-    next to it, with entries of std 0.02^2 x sqrt(rank) = 0.0016 at rank 16), "gauss" (N(0, 0.02^2), mean over `n_random` draws) and "tokens" (embeddings of
+    next to it, with entries of std 0.02^2 x sqrt(rank) = 0.0016 at rank 16), "gauss" (N(0, 0.02^2), mean over
+    `n_random` draws) and "tokens" (embeddings of
     random token ids, mean over `n_random` draws); each overall and per domain."""
     from raysim.models.clip import CoOpPrompts
     from raysim.tools.pretrain_model import normalise_uint8
