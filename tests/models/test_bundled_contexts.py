@@ -2,7 +2,9 @@
 through the prompt learner's own text path, a zero context and N(0, 0.02^2) contexts (the official CoOp /
 FedSEPT initialisation) score within 3 points of the phrase "a photo of a"; and the model has patch tokens.
 
-The weights and the generated data are fixed, so the accuracies are deterministic up to float round-off,
+The Gaussian row is the mean over the same 5 draws the model card reports (single draws spread by a few
+points: `benchmarks/fedsept_offline_analysis.py`'s one draw scores 64.5 against the phrase's 68.0, and FedSEPT's
+A B0 start 66.4). The weights and the generated data are fixed, so the accuracies are deterministic up to float round-off,
 which differs by CPU (summation order in the matrix products): that can flip a prediction whose two best
 classes tie to within ~1e-6, a few of the 3,000 test images at most (0.1 point). The assertion is the
 property itself (a gap of at most 3 points); the measured gaps (MODEL_CARD.md) are well inside it, so the
@@ -27,7 +29,7 @@ def large_test(cache_dir):
 def _contexts(name: str, cache_dir: str, split) -> dict:
     model = load_clip(ModelSpec(name, "bundled", cache_dir=cache_dir))
     return context_zero_shot(model, name, split.images, split.labels, list(syn.LARGE.classes), split.domains,
-                             list(syn.LARGE.domains), n_random=3)
+                             list(syn.LARGE.domains), n_random=5)
 
 
 def test_default_model_scores_a_near_zero_context_like_the_phrase(cache_dir, large_test):
