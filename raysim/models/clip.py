@@ -17,9 +17,11 @@ from torch import Tensor, nn
 from raysim.errors import ConfigError, DataError
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-BUNDLED_MODEL = "raysim-clip"  # the small CLIP this project pretrains on generated data and ships
-BUNDLED_TAG = "bundled"  # pretrained=bundled: the project's own weights for raysim-clip
-BUNDLED_ASSET = Path(__file__).resolve().parents[1] / "assets" / BUNDLED_MODEL
+BUNDLED_MODEL = "raysim-clip2"  # the small CLIP this project pretrains on generated data and ships (the default)
+BUNDLED_MODELS = ("raysim-clip2", "raysim-clip")  # shipped (raysim.models.bundled.BUNDLED); raysim-clip: the first, a CNN
+BUNDLED_TAG = "bundled"  # pretrained=bundled: the project's own weights for a shipped model
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+BUNDLED_ASSET = ASSETS / BUNDLED_MODEL
 _registered = False
 log = logging.getLogger(__name__)
 
@@ -35,10 +37,11 @@ def register_builtin_configs() -> None:
         import open_clip
 
         open_clip.add_model_config(CONFIG_DIR)
-        if (BUNDLED_ASSET / "config.json").is_file():
-            from raysim.models.bundled import register_bundled
+        from raysim.models.bundled import register_bundled
 
-            register_bundled()
+        for name in BUNDLED_MODELS:
+            if (ASSETS / name / "config.json").is_file():
+                register_bundled(name)
         _registered = True
 
 
@@ -87,7 +90,8 @@ class ModelSpec:
         if p == BUNDLED_TAG:
             import hashlib
 
-            p = "bundled:" + hashlib.sha256((BUNDLED_ASSET / "trainable.pt").read_bytes()).hexdigest()[:16]
+            asset = ASSETS / (self.model if self.model in BUNDLED_MODELS else BUNDLED_MODEL) / "trainable.pt"
+            p = "bundled:" + hashlib.sha256(asset.read_bytes()).hexdigest()[:16]
         elif p and Path(p).expanduser().exists():  # a file, or a `raysim pretrain` folder (keyed by its checkpoint)
             from raysim.models.bundled import CHECKPOINT
 
@@ -117,11 +121,12 @@ def load_clip(spec: ModelSpec, device: str | torch.device = "cpu") -> OpenClipMo
             + "Use raysim-tiny for a small random model, or e.g. ViT-B-16."
         )
     if pretrained == BUNDLED_TAG:
-        if spec.model != BUNDLED_MODEL:
-            raise ConfigError(f"model.pretrained={BUNDLED_TAG} is this project's {BUNDLED_MODEL} weights; use model.name={BUNDLED_MODEL}")
+        if spec.model not in BUNDLED_MODELS:
+            raise ConfigError(f"model.pretrained={BUNDLED_TAG} is this project's own weights of {' or '.join(BUNDLED_MODELS)}; "
+                              f"use model.name={BUNDLED_MODEL}")
         from raysim.models.bundled import bundled_checkpoint
 
-        pretrained = str(bundled_checkpoint(spec.cache_dir))
+        pretrained = str(bundled_checkpoint(spec.cache_dir, spec.model))
     elif pretrained:
         path = Path(pretrained).expanduser()
         if path.is_file():

