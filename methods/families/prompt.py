@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterable, Iterator, Optional, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Optional, Sequence, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -149,7 +149,7 @@ class ClipPromptMethod(Method):
                     forward(torch.cat(unused))
             parts = []
             for a, k in enumerate(active):
-                epoch, idx, _ = now[k]
+                epoch, idx, _ = cast(tuple[int, Tensor, bool], now[k])  # active: not None
                 if epoch not in xs[k]:  # this epoch's features (a drawn augmented view per image under data.augment)
                     xs[k] = {epoch: jobs[k].data.train_inputs(epoch)[0].to(env.device)}
                 parts.append(self.step_loss(env, cs[k], text[a], xs[k][epoch][idx], ys[k][idx]))
@@ -161,7 +161,7 @@ class ClipPromptMethod(Method):
                 if len(p.loss):  # a Poisson batch may be empty (a noise-only step)
                     for name, v in p.terms.items():
                         terms[k].setdefault(name, []).append(float(v))
-                if now[k][2]:  # the epoch's last batch
+                if cast(tuple[int, Tensor, bool], now[k])[2]:  # the epoch's last batch
                     self.step_epoch_end(env, cs[k], jobs[k].rng)
                 now[k] = next(steps[k], None)
         names = self.client_metrics or ("loss",)

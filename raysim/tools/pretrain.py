@@ -68,6 +68,7 @@ from raysim.tools.pretrain_model import (  # noqa: F401 (the model's pieces; re-
     VISION_TOWERS,
     class_text_features,
     encode_text_with_embeddings,
+    frozen_text_features,
     model_config,
     normalise_float,
     normalise_uint8,
@@ -106,37 +107,6 @@ def _pretrain_params(classes: Sequence[str], per_cell: int, seed: int, resolutio
 
 
 @torch.no_grad()
-def frozen_text_features(model, tokenizer, texts: Sequence[str], cache_dir: Optional[str] = None,
-                         progress: bool = False, batch_size: int = 256) -> torch.Tensor:
-    """(N, width) pooled MiniLM features of `texts` before the trained projection (the tower is frozen, so
-    they are computed once; cached under `cache_dir/features/` keyed by the texts and the MiniLM folder)."""
-    import hashlib
-
-    from tqdm import tqdm
-
-    enc = model.text
-    path = None
-    if cache_dir:
-        key = hashlib.sha1(("\n".join(texts) + "|" + enc.config.name_or_path).encode()).hexdigest()[:16]
-        path = Path(os.path.expanduser(cache_dir)) / "features" / f"minilm-pooled-{key}.pt"
-        if path.exists():
-            return torch.load(path, weights_only=True)
-    parts: list[torch.Tensor] = []
-    for i in tqdm(range(0, len(texts), batch_size), desc="MiniLM caption features", disable=not progress,
-                  file=sys.stderr):
-        tk = tokenizer(list(texts[i: i + batch_size]))
-        mask = (tk != enc.config.pad_token_id).long()
-        L = int(mask.sum(1).max())
-        parts.append(enc.pooler(enc.transformer(input_ids=tk[:, :L], attention_mask=mask[:, :L]), mask[:, :L]))
-    pooled = torch.cat(parts)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        torch.save(pooled, tmp)
-        os.replace(tmp, path)
-    return pooled
-
-
 def text_heads(model, tokenizer, text: str, texts: Sequence[str], cache_dir: Optional[str], progress: bool):
     """f(ids) -> normalised text features of `texts[ids]`, with gradients into the trained text weights
     (MiniLM: only the projection, on cached pooled features; clip: the whole tower)."""
@@ -229,7 +199,8 @@ def _text_targets(model, tokenizer, text: str, train, classes: Sequence[str], ca
     uniq, cap_id = np.unique(np.asarray(train.captions), return_inverse=True)
     prompts = [DEFAULT_TEMPLATES[0].format(c) for c in classes]
     features = text_heads(model, tokenizer, text, list(uniq) + prompts, cache_dir, progress)
-    pool, names = None, ()
+    pool: Optional[torch.Tensor] = None
+    names: tuple[str, ...] = ()
     if prompt_weight > 0:
         if text != "minilm":
             raise ValueError("--prompt-weight needs the frozen MiniLM text tower (--text minilm)")

@@ -168,3 +168,37 @@ def zero_shot_accuracy(
             sel = np.asarray(domains) == d
             res[name] = float((pred[sel] == labels[sel]).mean() * 100)
     return res
+
+
+def frozen_text_features(model, tokenizer, texts: Sequence[str], cache_dir: Optional[str] = None,
+                         progress: bool = False, batch_size: int = 256) -> torch.Tensor:
+    """(N, width) pooled MiniLM features of `texts` before the trained projection (the tower is frozen, so
+    they are computed once; cached under `cache_dir/features/` keyed by the texts and the MiniLM folder)."""
+    import hashlib
+    import os
+    import sys
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    enc = model.text
+    path = None
+    if cache_dir:
+        key = hashlib.sha1(("\n".join(texts) + "|" + enc.config.name_or_path).encode()).hexdigest()[:16]
+        path = Path(os.path.expanduser(cache_dir)) / "features" / f"minilm-pooled-{key}.pt"
+        if path.exists():
+            return torch.load(path, weights_only=True)
+    parts: list[torch.Tensor] = []
+    for i in tqdm(range(0, len(texts), batch_size), desc="MiniLM caption features", disable=not progress,
+                  file=sys.stderr):
+        tk = tokenizer(list(texts[i: i + batch_size]))
+        mask = (tk != enc.config.pad_token_id).long()
+        L = int(mask.sum(1).max())
+        parts.append(enc.pooler(enc.transformer(input_ids=tk[:, :L], attention_mask=mask[:, :L]), mask[:, :L]))
+    pooled = torch.cat(parts)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        torch.save(pooled, tmp)
+        os.replace(tmp, path)
+    return pooled

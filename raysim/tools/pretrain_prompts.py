@@ -81,7 +81,7 @@ def context_pool(model, model_name: str, classes: Sequence[str], *, lengths: Seq
 def template_pool(model, tokenizer, classes: Sequence[str], templates: Sequence[str] = PROMPT_TEMPLATES,
                   cache_dir: Optional[str] = None) -> PromptPool:
     """Pooled MiniLM features of every class in every template (the tokenised path, `model.encode_text`)."""
-    from raysim.tools.pretrain import frozen_text_features
+    from raysim.tools.pretrain_model import frozen_text_features
 
     names = [c.replace("_", " ") for c in classes]
     texts = [t.format(c) for t in templates for c in names]
