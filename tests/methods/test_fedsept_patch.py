@@ -132,14 +132,12 @@ def test_pretrain_folder_loads_and_runs_the_patch_router(tmp_path, cache_dir):
 
 
 @pytest.mark.parametrize("method,section", [("fedotp", {}), ("fedsept", {"fedsept": {"router": "patch", "rank": 4}})])
-def test_token_methods_run_on_the_default_model(tmp_path, cache_dir, method, section):
-    """The default model (raysim-clip2, bundled) has a ViT image tower, so FedOTP's default patch-token
-    transport and FedSEPT's patch router run on it (on the earlier CNN default they were refused, exit 2)."""
-    from raysim.config.schema import ModelConfig
+def test_token_methods_run_on_the_bundled_raysim_clip2(tmp_path, cache_dir, method, section):
+    """The bundled raysim-clip2 has a ViT image tower, so FedOTP's default patch-token transport and FedSEPT's
+    patch router run on it (on the CNN raysim-clip, still model.name's default, they are refused, exit 2)."""
     from raysim.engine.loop import run
 
-    default = ModelConfig()
-    cfg = tiny_config(tmp_path, cache_dir, method=method, model={"name": default.name, "pretrained": default.pretrained},
+    cfg = tiny_config(tmp_path, cache_dir, method=method, model={"name": "raysim-clip2", "pretrained": "bundled"},
                       train={"n_ctx": 4, "rounds": 1}, **section)
     res = run(cfg)  # fedotp.tokens is left at its default, patch
     assert 0.0 <= res.summary["in_client"] <= 1.0

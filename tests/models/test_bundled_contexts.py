@@ -1,4 +1,4 @@
-"""The shipped default model (raysim-clip2) behaves like CLIP at a prompt learner's start (issue 24, item 5):
+"""The shipped raysim-clip2 behaves like CLIP at a prompt learner's start (issue 24, item 5):
 through the prompt learner's own text path, a zero context and N(0, 0.02^2) contexts (the official CoOp /
 FedSEPT initialisation) score within 3 points of the phrase "a photo of a"; and the model has patch tokens.
 
@@ -32,7 +32,7 @@ def _contexts(name: str, cache_dir: str, split) -> dict:
                              list(syn.LARGE.domains), n_random=5)
 
 
-def test_default_model_scores_a_near_zero_context_like_the_phrase(cache_dir, large_test):
+def test_raysim_clip2_scores_a_near_zero_context_like_the_phrase(cache_dir, large_test):
     acc = _contexts(bundled.BUNDLED_NAME, cache_dir, large_test)
     phrase = acc["phrase"]["overall"]
     assert phrase > acc["chance"] + 30, acc  # a real zero-shot classifier
@@ -46,7 +46,7 @@ def test_the_captions_only_model_does_not(cache_dir, large_test):
     assert acc["phrase"]["overall"] - acc["zero"]["overall"] > 3.0, acc
 
 
-def test_default_model_has_patch_tokens(cache_dir):
+def test_raysim_clip2_has_patch_tokens(cache_dir):
     visual = load_clip(ModelSpec(bundled.BUNDLED_NAME, "bundled", cache_dir=cache_dir)).visual
     _, _, width = token_site(visual)
     grid = visual.grid_size if hasattr(visual, "grid_size") else None
