@@ -44,7 +44,7 @@ from torch import Tensor
 
 from raysim.engine.client_round import ClientRound, judge
 from raysim.methods.families.prompt import ClientJob
-from raysim.privacy.dpsgd import DPSGD, NoDP, _per_sample_and_sum
+from raysim.privacy.dpsgd import DPSGD, NoDP, per_sample_grads_and_sums
 from raysim.sampling import generator
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ class StackPrivacy:
         rows = max(sizes, default=0)
         if rows:  # row r holds example r of every client: its gradient w.r.t. client a's tensors is that example's
             stacked = torch.stack([F.pad(loss, (0, rows - b)) for loss, b in zip(losses, sizes)], dim=1).sum(dim=1)
-            grads, sums = _per_sample_and_sum(stacked, flat, flat_others, microbatch=steppers[0].microbatch)
+            grads, sums = per_sample_grads_and_sums(stacked, flat, flat_others, microbatch=steppers[0].microbatch)
         else:
             grads = [torch.zeros((0, *t.shape), dtype=t.dtype, device=t.device) for t in flat]
             sums = []
