@@ -28,9 +28,10 @@ def hosts(tmp_path, cache_dir, *, dp=0.0, sampling="poisson", **extra):
     out = []
     execution = extra.pop("execution", {})
     train = extra.pop("train", {})
+    data_opts = extra.pop("data", {})
     for batch in (False, True):
         values = dict(train={"num_clients": CLIENTS, "batch_size": 8, "n_ctx": 4, **train},
-                      data={"shots": 0, "partition": "dirichlet", "beta": 0.5},
+                      data={"shots": 0, "partition": "dirichlet", "beta": 0.5, **data_opts},
                       execution={"batch_clients": batch, **execution}, **extra)
         if dp:
             values["dp"] = {"epsilon": dp, "sampling": sampling}
