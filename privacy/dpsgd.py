@@ -116,15 +116,18 @@ def per_sample_grads(per_sample_loss: Tensor, params: Sequence[Tensor], *, micro
     """Gradient of every entry of `per_sample_loss` (shape (B,)) w.r.t. every tensor in `params`:
     a list of tensors of shape (B, *param.shape). The graph is retained. `microbatch`: rows pulled
     back per batched backward (0 = `auto_microbatch`)."""
-    return _per_sample_and_sum(per_sample_loss, list(params), [], microbatch=microbatch)[0]
+    return per_sample_grads_and_sums(per_sample_loss, list(params), [], microbatch=microbatch)[0]
 
 
-def _per_sample_and_sum(per_sample_loss: Tensor, params: list[Tensor], summed: list[Tensor], *,
-                        microbatch: int) -> tuple[list[Tensor], list[Tensor]]:
-    """(per-example gradients w.r.t. `params`, the sum over examples of the gradients w.r.t. `summed`),
-    from the same batched backward passes: the rows that give the per-example gradients of `params` give
-    those of `summed` too, at the cost of the graph's leaves only (the text tower is pulled back once per
-    row either way), so the other tensors' plain gradient needs no extra backward."""
+def per_sample_grads_and_sums(per_sample_loss: Tensor, params: list[Tensor], summed: list[Tensor], *,
+                              microbatch: int) -> tuple[list[Tensor], list[Tensor]]:
+    """(per-example gradients w.r.t. `params`: tensors of shape (B, *param.shape), the sum over examples of
+    the gradients w.r.t. `summed`: tensors of each one's shape), from the same batched backward passes of
+    `per_sample_loss` (shape (B,)), `microbatch` rows at a time (0 = `auto_microbatch`); the graph is retained.
+    The rows that give the per-example gradients of `params` give those of `summed` too, at the cost of the
+    graph's leaves only (the text tower is pulled back once per row either way), so the other tensors' plain
+    gradient needs no extra backward. `DPSGD.backward` and the client-batched DP-SGD step of a stack
+    (raysim/engine/batched.py, whose rows hold one example of every client) use it."""
     if per_sample_loss.dim() != 1:
         raise ValueError(f"per_sample_loss must have shape (B,), got {tuple(per_sample_loss.shape)}")
     if microbatch < 0:
@@ -279,7 +282,7 @@ class DPSGD(_Standalone):
             public_grads += [None] * (len(dp_list) + len(others) - len(public_grads))
         # one set of batched backward passes gives the per-example gradients of the privatised tensors and
         # the summed (plain) gradient of the others; the graph is kept for the caller, as under NoDP it is not
-        grads, other_sums = _per_sample_and_sum(per_sample_loss, dp_list, others if b > 0 else [], microbatch=self.microbatch)
+        grads, other_sums = per_sample_grads_and_sums(per_sample_loss, dp_list, others if b > 0 else [], microbatch=self.microbatch)
         if dp_list:
             self.apply_per_example(named, grads, b, public_grads[:len(dp_list)])
         if b > 0:  # the other tensors get the plain gradient of the whole loss, as under NoDP

@@ -1,17 +1,18 @@
 """What the CLIP prompt-tuning methods (FedSEPT and its baselines, zeroshot) share: the base that builds the
 frozen CLIP env and computes s * <v(x), t_c>, the local round of a method described by step hooks (one client,
-or a client-batched stack: PromptFL, DP-FPL, FedPGP), the attack
-hook's loss split, the prompt optimiser of SPEC 1.7 and a seeded block for dropout and nn init."""
+or a client-batched stack: PromptFL, DP-FPL, FedPGP, FedOTP, pFedMoAP, FedSEPT), the attack
+hook's loss split, the prompt optimiser of SPEC 1.7, a seeded block for dropout and nn init, and a client's
+own global-RNG state (`ClientRNG`: its dropout draws, the same alone or in a stack)."""
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Optional, Sequence, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from raysim.methods.base import ClientData, EnvSpec, LocalResult, Method
 
@@ -91,26 +92,36 @@ class ClipPromptMethod(Method):
         owner = next(c for c in type(self).__mro__ if "batched_context" in vars(c))
         return type(self).local_train is vars(owner).get("local_train")
 
-    def step_start(self, env, shared: dict[str, Tensor], private: dict[str, Any]) -> "PromptClient":
+    def step_start(self, env, shared: dict[str, Tensor], private: dict[str, Any], rng: torch.Generator) -> "PromptClient":
         """A client's trained tensors at the start of its round: the uploaded ones (privatised by DP-SGD) from
-        the broadcast, the private ones (plain gradient, SPEC 1.6) from its private state."""
+        the broadcast, the private ones (plain gradient, SPEC 1.6) from its private state. Draws from `rng`
+        (before any batch is drawn from it) as the client's round would at its start."""
         return PromptClient({self.batched_context: _leaf(shared[self.batched_context], env)}, {})
 
     def step_contexts(self, c: "PromptClient") -> Tensor:
-        """The (n, L, w) contexts whose text features a step of client c reads (one forward for a stack)."""
+        """The (n, L, w) contexts whose text features a step of client c reads (one forward for a stack; n = 0:
+        none, the method encodes its prompts inside step_loss)."""
         return c.dp[self.batched_context][None]
 
     def step_unused(self, c: "PromptClient") -> Optional[Tensor]:
         """Contexts a reference code encodes at every step without reading them (their cost, no gradient)."""
         return None
 
-    def step_loss(self, env, c: "PromptClient", text: Tensor, x: Tensor, y: Tensor) -> "StepLoss":
-        """Client c's loss on its batch (x, y) given the (n, C, D) text features of `step_contexts(c)`."""
+    def step_loss(self, env, c: "PromptClient", text: Tensor, x: Tensor, y: Tensor, *, tokens: Optional[Tensor] = None) -> "StepLoss":
+        """Client c's loss on its batch (x, y) given the (n, C, D) text features of `step_contexts(c)`; `tokens`:
+        the batch's image tokens when the method needs them (`needs().tokens`), else None. Runs under the
+        client's own global RNG (`PromptClient.rng`) when it has one."""
         loss = F.cross_entropy(self.logits(env, x, text[0]), y, reduction="none")
         return StepLoss(loss, None, {"loss": loss.detach().mean()})
 
     def step_epoch_end(self, env, c: "PromptClient", rng: torch.Generator) -> None:
         """After the last batch of each local epoch (DP-FPL re-factorises its private prompt here)."""
+
+    def step_private(self, c: "PromptClient") -> dict[str, Any]:
+        """What client c's round writes into its private state: its private tensors, and the state_dict of each
+        private module under the module's name (pFedMoAP adds the context it uploaded)."""
+        return {**{n: t.detach().cpu() for n, t in c.local.items()},
+                **{n: {k: v.detach().cpu() for k, v in m.state_dict().items()} for n, m in c.modules.items()}}
 
     def batched_local_train(self, env, shared: dict[str, Tensor], jobs: Sequence[ClientJob], *, privacy) -> list[LocalResult]:
         """`local_train` of several clients at once: `train_clients` with one text-tower forward per step over the
@@ -132,17 +143,18 @@ class ClipPromptMethod(Method):
         `forward` of the stacked contexts of the clients that still have batches, each client's `step_loss` on
         its own batch, one `privacy.backward`; clients with fewer batches drop out when they are done. `privacy`
         is a StackPrivacy, or `OneClient` around a client's own handle (`local_train`)."""
-        cs = [self.step_start(env, shared, j.private) for j in jobs]
-        opt = sgd([p for c in cs for p in c.params()], self.train)  # SGD is elementwise per tensor: per client in effect
+        cs = [self.step_start(env, shared, j.private, j.rng) for j in jobs]
+        opt = sgd([g for c in cs for g in c.groups()], self.train)  # SGD is elementwise per tensor: per client in effect
         ys = [j.data.y_train.to(env.device) for j in jobs]
         steps = [self._steps(privacy, k, j) for k, j in enumerate(jobs)]
-        xs: list[dict[int, Tensor]] = [{} for _ in jobs]
+        xs: list[dict[int, tuple[Tensor, Optional[Tensor]]]] = [{} for _ in jobs]  # an epoch's (features, tokens)
         terms: list[dict[str, list[float]]] = [{} for _ in jobs]
         now = [next(s, None) for s in steps]
         while any(n is not None for n in now):
             active = [k for k, n in enumerate(now) if n is not None]
             ctxs = [self.step_contexts(cs[k]) for k in active]
-            text = forward(torch.cat(ctxs)).split([len(t) for t in ctxs])
+            both = torch.cat(ctxs)
+            text = (forward(both) if len(both) else both).split([len(t) for t in ctxs])
             unused = [u for u in (self.step_unused(cs[k]) for k in active) if u is not None]
             if unused:
                 with torch.no_grad():
@@ -151,11 +163,15 @@ class ClipPromptMethod(Method):
             for a, k in enumerate(active):
                 epoch, idx, _ = cast(tuple[int, Tensor, bool], now[k])  # active: not None
                 if epoch not in xs[k]:  # this epoch's features (a drawn augmented view per image under data.augment)
-                    xs[k] = {epoch: jobs[k].data.train_inputs(epoch)[0].to(env.device)}
-                parts.append(self.step_loss(env, cs[k], text[a], xs[k][epoch][idx], ys[k][idx]))
+                    x, tok = jobs[k].data.train_inputs(epoch)  # tok: None unless needs().tokens
+                    xs[k] = {epoch: (x.to(env.device), tok)}
+                x, tok = xs[k][epoch]
+                with cs[k].own_rng():
+                    parts.append(self.step_loss(env, cs[k], text[a], x[idx], ys[k][idx],
+                                                tokens=None if tok is None else tok[idx].to(env.device)))
             opt.zero_grad(set_to_none=True)  # clients out of the stack keep grad None: SGD skips them
             privacy.backward(active, [p.loss for p in parts], [cs[k].dp for k in active],
-                             [list(cs[k].local.values()) for k in active], [p.public for p in parts])
+                             [cs[k].others() for k in active], [p.public for p in parts])
             opt.step()
             for k, p in zip(active, parts):
                 if len(p.loss):  # a Poisson batch may be empty (a noise-only step)
@@ -165,11 +181,12 @@ class ClipPromptMethod(Method):
                     self.step_epoch_end(env, cs[k], jobs[k].rng)
                 now[k] = next(steps[k], None)
         names = self.client_metrics or ("loss",)
+        new = [self.step_private(c) for c in cs]
         return [LocalResult(upload={n: t.detach().cpu() for n, t in c.dp.items()},
-                            private={**j.private, **{n: t.detach().cpu() for n, t in c.local.items()}} if c.local else j.private,
+                            private={**j.private, **mine} if mine else j.private,
                             num_samples=j.data.num_train,
                             metrics={n: sum(ts.get(n, [])) / max(1, len(ts.get(n, []))) for n in names})
-                for c, j, ts in zip(cs, jobs, terms)]
+                for c, j, ts, mine in zip(cs, jobs, terms, new)]
 
     def _steps(self, privacy, k: int, job: ClientJob) -> Iterator[tuple[int, Tensor, bool]]:
         """Client k's steps (epoch, batch, last of its epoch), each epoch's batches drawn when it begins."""
@@ -187,13 +204,33 @@ class ClipPromptMethod(Method):
 @dataclass
 class PromptClient:
     """One client's trained tensors in a local round (`ClipPromptMethod.train_clients`): `dp`, the uploaded ones
-    (DP-SGD's dp_params), and `local`, its private ones (plain gradient; returned updated in its private state)."""
+    (DP-SGD's dp_params); `local`, its private ones, and `modules`, its private nn.Modules (pFedMoAP's gating
+    head, FedSEPT's router), which take the plain gradient (other_params) and return updated in its private
+    state (`step_private`: a module's state_dict under its name). `no_decay`: the modules whose parameters
+    train without weight decay (their own SGD param group). `rng`: the client's own global-RNG state (its
+    dropout draws), active around its `step_loss`; None: the step draws nothing from the global RNG.
+    `fixed`: what else its steps read, fixed for the round (pFedMoAP's expert text features)."""
 
     dp: dict[str, Tensor]
     local: dict[str, Tensor]
+    modules: dict[str, nn.Module] = field(default_factory=dict)
+    no_decay: tuple[str, ...] = ()
+    rng: Optional["ClientRNG"] = None
+    fixed: dict[str, Any] = field(default_factory=dict)
 
-    def params(self) -> list[Tensor]:
-        return [*self.dp.values(), *self.local.values()]
+    def others(self) -> list[Tensor]:
+        """The tensors that take the plain gradient (privacy.backward's other_params)."""
+        return [*self.local.values(), *(p for m in self.modules.values() for p in m.parameters())]
+
+    def groups(self) -> list[dict[str, Any]]:
+        """The client's SGD param groups: its tensors, then each private module (weight decay 0 if in no_decay)."""
+        out: list[dict[str, Any]] = [{"params": [*self.dp.values(), *self.local.values()]}]
+        for name, m in self.modules.items():
+            out.append({"params": list(m.parameters()), **({"weight_decay": 0.0} if name in self.no_decay else {})})
+        return out
+
+    def own_rng(self) -> contextlib.AbstractContextManager:
+        return self.rng.active() if self.rng is not None else contextlib.nullcontext()
 
 
 @dataclass
@@ -229,7 +266,35 @@ def _leaf(t: Tensor, env) -> Tensor:
 def seeded(rng: torch.Generator) -> Iterator[None]:
     """Run a block (dropout, nn init) on a global RNG seeded from `rng`, restoring the global state after."""
     seed = int(torch.randint(0, 2**62, (1,), generator=rng).item())
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=_devices()):
         torch.manual_seed(seed)
         yield
+
+
+class ClientRNG:
+    """A client's own global-RNG state, for what torch draws from the global RNG (dropout): seeded from `rng`
+    as `seeded` seeds it (one draw from `rng`, now), then swapped in around each of the client's blocks
+    (`active`) and saved after, so the client's draws are the same as one `seeded` block around its whole
+    round, whichever other clients' blocks run in between (client-batched stacks)."""
+
+    def __init__(self, rng: torch.Generator) -> None:
+        with seeded(rng):
+            self.state = _rng_state()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        with torch.random.fork_rng(devices=_devices()):
+            torch.set_rng_state(self.state[0])
+            if self.state[1] is not None:
+                torch.cuda.set_rng_state(self.state[1])
+            yield
+            self.state = _rng_state()
+
+
+def _devices() -> list[int]:
+    return [torch.cuda.current_device()] if torch.cuda.is_available() else []
+
+
+def _rng_state() -> tuple[Tensor, Optional[Tensor]]:
+    """The global CPU RNG state and the current CUDA device's (None without CUDA)."""
+    return torch.get_rng_state(), (torch.cuda.get_rng_state() if torch.cuda.is_available() else None)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -168,7 +168,7 @@ class DPFPL(ClipPromptMethod):
 
     # the local round of dp_mode=per_example (ClipPromptMethod.train_clients, one client or a stack): G, U, V, S
     # from the broadcast and the private state; per step CE on s cos(v(x), t_c(G + U V + S)), DP-SGD on G only
-    def step_start(self, env, shared, private) -> PromptClient:
+    def step_start(self, env, shared, private, rng: torch.Generator) -> PromptClient:
         G = shared["global_ctx"].clone().to(env.device).requires_grad_(True)
         U, V, S = (private[k].clone().to(env.device).requires_grad_(True) for k in ("U", "V", "residual"))
         return PromptClient({"global_ctx": G}, {"U": U, "V": V, "residual": S})
@@ -176,7 +176,7 @@ class DPFPL(ClipPromptMethod):
     def step_contexts(self, c: PromptClient) -> Tensor:
         return self.prompt(c.dp["global_ctx"], *c.local.values())[None]
 
-    def step_loss(self, env, c: PromptClient, text: Tensor, x: Tensor, y: Tensor) -> StepLoss:
+    def step_loss(self, env, c: PromptClient, text: Tensor, x: Tensor, y: Tensor, *, tokens: Optional[Tensor] = None) -> StepLoss:
         loss = F.cross_entropy(self.logits(env, x, text[0]), y, reduction="none")
         return StepLoss(loss, None, {"loss": loss.detach().mean()})
 

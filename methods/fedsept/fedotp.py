@@ -15,6 +15,9 @@ Tokens   `tokens=patch` (default): the M local features are the image tower's pa
          prompts' cosine logits: a degenerate transport, kept only to match the paper's numbers.
 DP       DP-SGD on prompt 0 only; prompt 1 takes the plain gradient.
 Server   FedAvg of prompt 0; the client's model is the latest prompt 0 with its own prompt 1.
+Stacks   the step hooks below are the local round for one client or a client-batched stack
+         (ClipPromptMethod.train_clients, execution.batch_clients): both modes stack; each client's Sinkhorn
+         (its own number of iterations) runs inside its own step loss.
 
 The FedOTP paper's unbalanced variant (COT: a partial-mass plan) is not implemented; B.2 runs Sinkhorn.
 """
@@ -22,6 +25,7 @@ The FedOTP paper's unbalanced variant (COT: a partial-mass plan) is not implemen
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +33,7 @@ from torch import Tensor
 
 from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, LocalResult, Needs, register_method, weighted_mean
-from raysim.methods.families.prompt import ClipPromptMethod, sgd
+from raysim.methods.families.prompt import ClipPromptMethod, PromptClient, StepLoss
 from raysim.privacy.mechanisms import dpsgd
 
 
@@ -87,6 +91,7 @@ class FedOTP(ClipPromptMethod):
     Options = FedOTPOptions
     releases = {"ctx": dpsgd()}
     client_metrics = ("loss",)
+    batched_context = "ctx"  # local_train is the step hooks below, which stack clients
 
     @property
     def patch(self) -> bool:
@@ -124,29 +129,21 @@ class FedOTP(ClipPromptMethod):
         return ot_logits(env.logit_scale, local, text, eps=o.eps, thresh=o.thresh, max_iter=o.max_iter)
 
     def local_train(self, env, shared, private, data: ClientData, *, rng, privacy) -> LocalResult:
+        return self.stacked_local_train(env, shared, private, data, rng=rng, privacy=privacy)  # the steps below
+
+    # the local round (ClipPromptMethod.train_clients, one client or a stack): prompt 0 from the broadcast, 1 private
+    def step_start(self, env, shared, private, rng: torch.Generator) -> PromptClient:
         ctx = shared["ctx"].clone().to(env.device).requires_grad_(True)
         ctx_local = private["ctx_local"].clone().to(env.device).requires_grad_(True)
-        opt = sgd([ctx, ctx_local], self.train)
-        y = data.y_train.to(env.device)
-        losses = []
-        for epoch in range(self.train.local_epochs):
-            x, tok = data.train_inputs(epoch)  # this epoch's features (a drawn augmented view per image under data.augment)
-            x, tok = x.to(env.device), tok if self.patch else None
-            for idx in privacy.batches(data.num_train, self.train.batch_size, rng):
-                text = env.prompts.text_features(torch.stack([ctx, ctx_local]))  # (2, C, D)
-                logits = self.forward(env, text, x[idx], None if tok is None else tok[idx])
-                loss = F.cross_entropy(logits, y[idx], reduction="none")
-                opt.zero_grad(set_to_none=True)
-                privacy.backward(loss, dp_params={"ctx": ctx}, other_params=[ctx_local])
-                opt.step()
-                if len(idx):  # a Poisson batch may be empty (a noise-only step)
-                    losses.append(loss.mean().item())
-        return LocalResult(
-            upload={"ctx": ctx.detach().cpu()},
-            private={"ctx_local": ctx_local.detach().cpu()},
-            num_samples=data.num_train,
-            metrics={"loss": sum(losses) / max(1, len(losses))},
-        )
+        return PromptClient({"ctx": ctx}, {"ctx_local": ctx_local})
+
+    def step_contexts(self, c: PromptClient) -> Tensor:
+        """Both prompts: their (2, C, D) text features are the N = 2 points of each class."""
+        return torch.stack([c.dp["ctx"], c.local["ctx_local"]])
+
+    def step_loss(self, env, c: PromptClient, text: Tensor, x: Tensor, y: Tensor, *, tokens: Optional[Tensor] = None) -> StepLoss:
+        loss = F.cross_entropy(self.forward(env, text, x, tokens), y, reduction="none")
+        return StepLoss(loss, None, {"loss": loss.detach().mean()})
 
     def predictor(self, env, shared, private, data=None):
         """The latest shared prompt with the client's own (SPEC 1.8); text features computed once."""

@@ -91,7 +91,7 @@ class FedPGP(ClipPromptMethod):
         return self.stacked_local_train(env, shared, private, data, rng=rng, privacy=privacy)  # the steps below
 
     # the local round (ClipPromptMethod.train_clients, one client or a stack): G from the broadcast, U, V private
-    def step_start(self, env, shared, private) -> PromptClient:
+    def step_start(self, env, shared, private, rng: torch.Generator) -> PromptClient:
         G = shared["global_ctx"].clone().to(env.device).requires_grad_(True)
         U = private["U"].clone().to(env.device).requires_grad_(True)
         V = private["V"].clone().to(env.device).requires_grad_(True)
@@ -107,7 +107,7 @@ class FedPGP(ClipPromptMethod):
         U, V = c.local.values()
         return (U @ V)[None] if self.opts.uv_features else None
 
-    def step_loss(self, env, c: PromptClient, text: Tensor, x: Tensor, y: Tensor) -> StepLoss:
+    def step_loss(self, env, c: PromptClient, text: Tensor, x: Tensor, y: Tensor, *, tokens: Optional[Tensor] = None) -> StepLoss:
         o = self.opts
         t_full, t_global = text.unbind(0)
         ce = F.cross_entropy(self.logits(env, x, t_full), y, reduction="none")

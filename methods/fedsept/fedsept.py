@@ -11,6 +11,12 @@ DP    DP-SGD on A alone (Eq. 11); R and the router take the plain gradient. L_di
       which is public after each release; `div_outside_dp=true` adds its gradient after clipping and
       noising (no privacy cost) instead of inside every clipped per-example gradient (the paper's Eq. 11).
 Server  expert-wise weighted average of A (Eq. 12).
+Stacks  the step hooks below are the local round for one client or a client-batched stack
+        (ClipPromptMethod.train_clients, execution.batch_clients): the M expert prompts of every client in one
+        text-tower forward; the router is a private module (no weight decay), its dropout draws from the
+        client's own global-RNG state (`ClientRNG`), and L_gate (and L_div under div_outside_dp) is the step's
+        public term. FedSEPT-PF (fusion=prompt) encodes a fused prompt per image inside its loss, so it
+        trains client by client (`supports_batching`).
 
 Variants (Table 4, Table 5): single (one full-dimensional shared prompt, no R, no router),
 full_meps (A_m is L x w, no basis), wo_r (no residual), top1 (arg-max expert only), uniform
@@ -20,19 +26,19 @@ full_meps (A_m is L x w, no basis), wo_r (no residual), top1 (arg-max expert onl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, LocalResult, Needs, register_method, weighted_mean
-from raysim.methods.families.prompt import ClipPromptMethod, PromptLossParts, seeded, sgd
+from raysim.methods.families.prompt import ClientRNG, ClipPromptMethod, PromptClient, PromptLossParts, StepLoss
 from raysim.methods.fedsept.fedsept_parts import (
-    add_grads,
     diversity_loss,
     expert_prompts,
     gate_loss,
-    grads_of,
     hard_top1,
     logit_fusion,
     make_router,
@@ -93,6 +99,7 @@ class FedSEPT(ClipPromptMethod):
     Options = FedSEPTOptions
     releases = {"A": dpsgd()}
     client_metrics = ("loss", "ce", "div", "gate")
+    batched_context = "A"  # local_train is the step hooks below, which stack clients (but FedSEPT-PF)
 
     # -- the variant as structure ----------------------------------------------------------
     @property
@@ -194,53 +201,42 @@ class FedSEPT(ClipPromptMethod):
             text = env.prompts.text_features(P)  # (M, C, D) in one batched pass
         return logit_fusion(env.logit_scale, feats, text, pi), pi_soft  # Eq. 9
 
+    def supports_batching(self) -> bool:
+        """Every variant stacks but FedSEPT-PF (fusion=prompt): it encodes a fused prompt per image inside its
+        loss, so a stack would share no text-tower forward; it trains client by client."""
+        return self.opts.fusion != "prompt" and super().supports_batching()
+
     def local_train(self, env, shared, private, data: ClientData, *, rng, privacy) -> LocalResult:
-        o = self.opts
+        return self.stacked_local_train(env, shared, private, data, rng=rng, privacy=privacy)  # the steps below
+
+    # the local round (ClipPromptMethod.train_clients, one client or a stack): A from the broadcast, R and the
+    # router private; the router's dropout draws from the client's own global RNG, seeded after the router is
+    # built and before any batch is drawn
+    def step_start(self, env, shared, private, rng: torch.Generator) -> PromptClient:
         A = shared["A"].clone().to(env.device).requires_grad_(True)
-        R = private["R"].clone().to(env.device).requires_grad_(True) if self.has_residual else None
-        router = self._router(env, rng, private["router"]).train() if self.has_router else None
-        router_params = list(router.parameters()) if router is not None else []
-        params = [A] + ([R] if R is not None else [])
-        groups = [{"params": params}] + ([{"params": router_params, "weight_decay": 0.0}] if router_params else [])
-        opt = sgd(groups, self.train)
-        y = data.y_train.to(env.device)
-        terms: dict[str, list[float]] = {"loss": [], "ce": [], "div": [], "gate": []}
-        with seeded(rng):  # router dropout draws from a stream of this (round, client)
-            for epoch in range(self.train.local_epochs):
-                x, toks = data.train_inputs(epoch)  # this epoch's features (a drawn augmented view per image under data.augment)
-                x = x.to(env.device)
-                assert toks is not None or not self.patch_router  # needs() asks for the image tokens with the patch router
-                tok = toks.to(env.device) if self.patch_router and toks is not None else None
-                for idx in privacy.batches(data.num_train, self.train.batch_size, rng):
-                    logits, pi = self.forward(env, A, R, router, x[idx], tokens=None if tok is None else tok[idx])
-                    ce = F.cross_entropy(logits, y[idx], reduction="none")
-                    div = o.lambda_div * diversity_loss(A, self.M, self.div_reduction)
-                    if o.div_outside_dp:
-                        loss, public = ce, div  # added after clipping and noise: it is a function of A only
-                    else:
-                        loss, public = ce + div, None  # per sample, before clipping (Eq. 11)
-                    gate = o.lambda_gate * gate_loss(pi) if router_params and o.lambda_gate > 0 and len(idx) else None
-                    gate_grads = grads_of(gate, router_params)  # the router's non-DP loss only
-                    opt.zero_grad(set_to_none=True)
-                    privacy.backward(loss, dp_params={"A": A}, other_params=params[1:] + router_params, public_loss=public)
-                    add_grads(router_params, gate_grads)
-                    opt.step()
-                    if len(idx):  # a Poisson batch may be empty (a noise-only step)
-                        terms["ce"].append(ce.mean().item())
-                        terms["div"].append(float(div.detach()))
-                        terms["gate"].append(float(gate.detach()) if gate is not None else 0.0)
-                        terms["loss"].append(terms["ce"][-1] + terms["div"][-1])
-        new_private = dict(private)
-        if R is not None:
-            new_private["R"] = R.detach().cpu()
-        if router is not None:
-            new_private["router"] = {k: v.detach().cpu() for k, v in router.state_dict().items()}
-        return LocalResult(
-            upload={"A": A.detach().cpu()},
-            private=new_private,
-            num_samples=data.num_train,
-            metrics={k: sum(v) / max(1, len(v)) for k, v in terms.items()},
-        )
+        R = {"R": private["R"].clone().to(env.device).requires_grad_(True)} if self.has_residual else {}
+        router = {"router": self._router(env, rng, private["router"]).train()} if self.has_router else {}
+        return PromptClient({"A": A}, R, router, no_decay=("router",), rng=ClientRNG(rng), fixed={"B0": self.basis(env)})
+
+    def step_contexts(self, c: PromptClient) -> Tensor:
+        """The M expert prompts A_m B0 + R (Eq. 5); none under prompt fusion, which encodes them per image."""
+        P = expert_prompts(c.dp["A"], self.M, c.fixed["B0"], c.local.get("R"))
+        return P[:0] if self.opts.fusion == "prompt" else P
+
+    def step_loss(self, env, c: PromptClient, text: Tensor, x: Tensor, y: Tensor, *, tokens: Optional[Tensor] = None) -> StepLoss:
+        o = self.opts
+        A, router = c.dp["A"], c.modules.get("router")
+        assert tokens is not None or not self.patch_router  # needs() asks for the image tokens with the patch router
+        logits, pi = self.forward(env, A, c.local.get("R"), router, x, text if o.fusion == "logit" else None, tokens)
+        ce = F.cross_entropy(logits, y, reduction="none")
+        div = o.lambda_div * diversity_loss(A, self.M, self.div_reduction)
+        # L_gate: the router's own loss (not privatised), its gradient added after clipping
+        gate = o.lambda_gate * gate_loss(pi) if router is not None and o.lambda_gate > 0 and len(y) else None
+        terms = {"ce": float(ce.detach().mean()), "div": float(div.detach()), "gate": float(gate.detach()) if gate is not None else 0.0}
+        terms["loss"] = terms["ce"] + terms["div"]
+        if o.div_outside_dp:  # L_div is a function of A only: added after clipping and noise
+            return StepLoss(ce, div if gate is None else div + gate, terms)
+        return StepLoss(ce + div, gate, terms)  # L_div per sample, before clipping (Eq. 11)
 
     def predictor(self, env, shared, private, data=None):
         """The evaluated model: global A with the client's own R and router (SPEC 1.8)."""

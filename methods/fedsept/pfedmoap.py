@@ -15,6 +15,9 @@ Server  FedAvg of ctx over the round's uploads, and `bank`: the latest uploaded 
         (`bank_seen` marks who has uploaded).
 Evaluation  the client's own last ctx (the one it uploaded) with its nearest experts from the bank and
         its gating head.
+Stacks  the step hooks below are the local round for one client or a client-batched stack
+        (ClipPromptMethod.train_clients, execution.batch_clients); a client's expert text features are
+        computed in its `step_start`, outside the stack's forward (fixed for the round).
 
 How experts reach a client without anything undeclared crossing: the server already holds every
 client's latest upload, which is public once released (under DP it is the privatised output), so
@@ -31,7 +34,7 @@ optimiser state is fresh per round (SPEC 1.7).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +42,7 @@ from torch import Tensor, nn
 
 from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, LocalResult, register_method, weighted_mean
-from raysim.methods.families.prompt import ClipPromptMethod, seeded, sgd
+from raysim.methods.families.prompt import ClipPromptMethod, PromptClient, StepLoss, seeded
 from raysim.privacy.mechanisms import dpsgd
 
 
@@ -118,6 +121,7 @@ class PFedMoAP(ClipPromptMethod):
     Options = PFedMoAPOptions
     releases = {"ctx": dpsgd()}
     supports_ctx_init = True  # like PromptFL: train.ctx_init (ctx_init="" is the paper's N(0, 0.02^2))
+    batched_context = "ctx"  # local_train is the step hooks below, which stack clients
 
     def build_env(self, spec, *, role: str):
         env = super().build_env(spec, role=role)
@@ -162,40 +166,34 @@ class PFedMoAP(ClipPromptMethod):
         with torch.no_grad():
             return env.prompts.text_features(shared["bank"][ids].to(env.device))
 
-    def forward(self, env, gating: Gating, ctx: Tensor, feats: Tensor, expert_text: Optional[Tensor],
+    def forward(self, env, gating: Optional[Gating], ctx: Tensor, feats: Tensor, expert_text: Optional[Tensor],
                 text: Optional[Tensor] = None) -> Tensor:
         text = env.prompts.text_features(ctx) if text is None else text
         local = self.logits(env, feats, text)
-        if expert_text is None:
+        if expert_text is None or gating is None:
             return local
         return self.opts.lmbda * local + gated_logits(gating, env.logit_scale, feats, text, expert_text, self.opts.gating_dim)
 
     def local_train(self, env, shared, private, data: ClientData, *, rng, privacy) -> LocalResult:
+        return self.stacked_local_train(env, shared, private, data, rng=rng, privacy=privacy)  # the steps below
+
+    # the local round (ClipPromptMethod.train_clients, one client or a stack): ctx from the broadcast, the private
+    # gating head trained only when the client has experts (without them it is unused)
+    def step_start(self, env, shared, private, rng: torch.Generator) -> PromptClient:
         ctx = shared["ctx"].clone().to(env.device).requires_grad_(True)
         expert_text = self.experts(env, shared, private)
-        gating = self._gating(env, private)
-        gating_params = list(gating.parameters()) if expert_text is not None else []  # unused without experts
-        opt = sgd([{"params": [ctx]}] + ([{"params": gating_params}] if gating_params else []), self.train)
-        y = data.y_train.to(env.device)
-        losses = []
-        for epoch in range(self.train.local_epochs):
-            x = data.train_inputs(epoch)[0].to(env.device)  # this epoch's features (a drawn augmented view per image under data.augment)
-            for idx in privacy.batches(data.num_train, self.train.batch_size, rng):
-                logits = self.forward(env, gating, ctx, x[idx], expert_text)
-                loss = F.cross_entropy(logits, y[idx], reduction="none")
-                opt.zero_grad(set_to_none=True)
-                privacy.backward(loss, dp_params={"ctx": ctx}, other_params=gating_params)
-                opt.step()
-                if len(idx):  # a Poisson batch may be empty (a noise-only step)
-                    losses.append(loss.mean().item())
-        new_private = {**private, "ctx": ctx.detach().cpu(),
-                       "gating": {k: v.detach().cpu() for k, v in gating.state_dict().items()}}
-        return LocalResult(
-            upload={"ctx": ctx.detach().cpu()},
-            private=new_private,
-            num_samples=data.num_train,
-            metrics={"loss": sum(losses) / max(1, len(losses))},
-        )
+        gating: dict[str, nn.Module] = {"gating": self._gating(env, private)} if expert_text is not None else {}
+        return PromptClient({"ctx": ctx}, {}, gating, fixed={} if expert_text is None else {"experts": expert_text})
+
+    def step_loss(self, env, c: PromptClient, text: Tensor, x: Tensor, y: Tensor, *, tokens: Optional[Tensor] = None) -> StepLoss:
+        expert_text = c.fixed.get("experts")
+        gating = cast(Optional[Gating], c.modules.get("gating"))  # None without experts
+        loss = F.cross_entropy(self.forward(env, gating, c.dp["ctx"], x, expert_text, text[0]), y, reduction="none")
+        return StepLoss(loss, None, {"loss": loss.detach().mean()})
+
+    def step_private(self, c: PromptClient) -> dict:
+        """The gating head (when it trained) and the context the client uploaded: its own last ctx."""
+        return {**super().step_private(c), "ctx": c.dp["ctx"].detach().cpu()}
 
     def _own_ctx(self, env, shared, private) -> Tensor:
         return (private["ctx"] if "ctx" in private else shared["ctx"]).to(env.device)

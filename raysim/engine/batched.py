@@ -1,20 +1,25 @@
 """Client-batched local training: the clients of a stack share one frozen text tower and train together.
 
-A method that supports it (`supports_batching()`: PromptFL, DP-FPL with dp_mode=per_example and FedPGP, through
-`ClipPromptMethod.batched_context` and its step hooks) trains a stack of clients with `batched_local_train`: one
-text-tower forward per step over the stacked contexts of all clients (K x n x C prompts) instead of K forwards.
+A method that supports it (`supports_batching()`: PromptFL, DP-FPL with dp_mode=per_example, FedPGP, FedOTP,
+pFedMoAP and FedSEPT but FedSEPT-PF, through `ClipPromptMethod.batched_context` and its step hooks) trains a stack
+of clients with `batched_local_train`: one text-tower forward per step over the stacked contexts of all clients
+(K x n x C prompts) instead of K forwards.
 What stays per client is everything that makes a client: its own batches (from its own rng), loss, SGD
 state, privacy handle (`privacy.open` / `close`, its calibrated multiplier, its DP-SGD noise stream, its
 ledger) and its report. `StackPrivacy` is the privacy handle of a stack: one backward gives every client the gradient of its own loss alone,
 or under DP-SGD every client's per-example gradients (the clients' examples side by side, one vmapped
 backward), clipped and noised client by client by the client's own `DPSGD` (privacy/dpsgd.py); a client's
-private tensors (`other_params`) take the plain gradient of its whole loss, from the same backward.
+private tensors and modules (`other_params`) take the plain gradient of its whole loss, from the same backward,
+and a client's public term (its gradient joins after clipping: FedSEPT's L_gate, on its router alone, and its
+L_div under div_outside_dp, on A) is differentiated once for the stack.
 
 Results equal the client-by-client path up to float reassociation (the stacked forward computes the
-shared prompt prefix once, in matmuls of other shapes; tests allow 1e-5 for PromptFL and FedPGP at mu=1, 2e-4
-for DP-FPL, whose training magnifies the last bits; with the full forward and no DP they are bitwise equal), and are bitwise the same on any
-backend and pool size: a round's stacks are its sorted participants cut into chunks of execution.stack_size
-(`plan_stacks`), whichever hosts hold them. The host of a stack's first member trains it (`route_stacks`);
+shared prompt prefix once, in matmuls of other shapes; tests allow 1e-5 for PromptFL, FedPGP at mu=1 and
+pFedMoAP, more where training magnifies the last bits (DP-FPL, FedOTP's Sinkhorn stopping rule, FedSEPT's
+router: tests/engine/test_batched_prompt_methods.py); with the full forward and no DP they are bitwise
+equal), and are bitwise the same on any backend and pool size: a round's stacks are its sorted participants
+cut into chunks of execution.stack_size (`plan_stacks`), whichever hosts hold them. The host of a stack's
+first member trains it (`route_stacks`);
 the stack's members of other hosts are its guests for that call (`stacked_round`, the driver's side for both
 backends): their own host exports a copy of their private state, privacy state and calibration count
 (`GuestState`), the training host holds them only for `ClientHost.train_stacks`, and their own host takes the
@@ -44,7 +49,7 @@ from torch import Tensor
 
 from raysim.engine.client_round import ClientRound, judge
 from raysim.methods.families.prompt import ClientJob
-from raysim.privacy.dpsgd import DPSGD, NoDP, _per_sample_and_sum
+from raysim.privacy.dpsgd import DPSGD, NoDP, per_sample_grads_and_sums
 from raysim.sampling import generator
 
 if TYPE_CHECKING:
@@ -108,7 +113,7 @@ class StackPrivacy:
         rows = max(sizes, default=0)
         if rows:  # row r holds example r of every client: its gradient w.r.t. client a's tensors is that example's
             stacked = torch.stack([F.pad(loss, (0, rows - b)) for loss, b in zip(losses, sizes)], dim=1).sum(dim=1)
-            grads, sums = _per_sample_and_sum(stacked, flat, flat_others, microbatch=steppers[0].microbatch)
+            grads, sums = per_sample_grads_and_sums(stacked, flat, flat_others, microbatch=steppers[0].microbatch)
         else:
             grads = [torch.zeros((0, *t.shape), dtype=t.dtype, device=t.device) for t in flat]
             sums = []

@@ -32,15 +32,24 @@ def test_stacks_come_from_the_participants_alone():
     assert r.lead == {0: [[0, 1, 2, 3]], 1: [[4, 5]]} and r.away == {1: {0: [1]}, 2: {0: [2], 1: [5]}}
 
 
+# tiny settings of the methods with private modules and image tokens: 2 images per class and client (steps
+# of 1-3 batches), FedSEPT with 2 experts of rank 4 and its patch router (tokens, dropout 0.1, L_gate)
+SMALL = {"fedotp": {"data": {"shots": 2}},
+         "pfedmoap": {"data": {"shots": 2}, "pfedmoap": {"gating_dim": 32}},
+         "fedsept": {"data": {"shots": 2}, "fedsept": {"experts": 2, "rank": 4, "router": "patch"}}}
+
+
 def go(tmp_path, cache_dir, tag, *, dp=0.0, method="promptfl", **execution):
     """A tiny batched run of `method` (PromptFL by default) (6 clients, 4 of them a round, 3 rounds, stack_size 4): its results.csv
     rows without the wall clock, its final shared tensors and every client's last checkpoint."""
+    from raysim.config import merge_config
     from raysim.engine.loop import run
     from raysim.storage.store import StateStore
 
     values = dict(method=method, train={"num_clients": CLIENTS, "rounds": 3, "batch_size": 8, "n_ctx": 4, "participation": 0.67},
                   data={"shots": 0, "partition": "dirichlet", "beta": 0.5}, eval={"every": 100, "last": 1},
                   execution={"batch_clients": True, "stack_size": STACK, **execution})
+    values = merge_config(values, SMALL.get(method, {}))
     if dp:
         values["dp"] = {"epsilon": dp}
     cfg = tiny_config(tmp_path / tag, cache_dir, **values)
@@ -63,8 +72,12 @@ def assert_bitwise(a, b, tag):
         if clients_a[c] is not None:
             assert clients_a[c]["privacy"] == clients_b[c]["privacy"], (tag, c)  # calibration and ledger
             assert clients_a[c]["private"].keys() == clients_b[c]["private"].keys()
-            for k, v in clients_a[c]["private"].items():  # DP-FPL's U, V, S; FedPGP's U, V
-                assert not isinstance(v, torch.Tensor) or torch.equal(v, clients_b[c]["private"][k]), (tag, c, k)
+            for k, v in clients_a[c]["private"].items():  # DP-FPL's U, V, S; FedPGP's U, V; FedSEPT's R, router
+                w = clients_b[c]["private"][k]
+                if isinstance(v, dict):  # a private module's state_dict
+                    assert v.keys() == w.keys() and all(torch.equal(v[n], w[n]) for n in v), (tag, c, k)
+                else:
+                    assert not isinstance(v, torch.Tensor) or torch.equal(v, w), (tag, c, k)
 
 
 @pytest.mark.parametrize("method", ["promptfl", "dpfpl", "fedpgp"])
@@ -75,6 +88,14 @@ def test_inline_on_one_host_or_three_is_bitwise_the_same(tmp_path, cache_dir, dp
     if dp:
         assert all(ref[2][c] is None or ref[2][c]["privacy"]["ledger"] for c in ref[2])
     assert_bitwise(ref, go(tmp_path, cache_dir, "three", dp=dp, method=method, num_actors=3), f"{method}, inline, 3 hosts")
+
+
+@pytest.mark.parametrize("method", ["fedotp", "pfedmoap"])
+def test_fedotp_and_pfedmoap_inline_on_one_host_or_three_are_bitwise_the_same(tmp_path, cache_dir, method):
+    """Under DP-SGD, tiny (SMALL); FedSEPT's case is the Ray test below, on 1, 2 and 3 actors."""
+    ref = go(tmp_path, cache_dir, "one", dp=4.0, method=method)
+    assert all(ref[2][c] is None or ref[2][c]["privacy"]["ledger"] for c in ref[2])
+    assert_bitwise(ref, go(tmp_path, cache_dir, "three", dp=4.0, method=method, num_actors=3), f"{method}, inline, 3 hosts")
 
 
 def test_inline_batched_equals_client_by_client_within_float_tolerance(tmp_path, cache_dir):
@@ -139,12 +160,13 @@ def test_a_raising_stack_goes_client_by_client_on_each_clients_own_host(tmp_path
     assert b.hosts[0].dirty == {0, 2} and b.hosts[1].dirty == {1, 3}
 
 
-@pytest.mark.parametrize("method", ["promptfl", "dpfpl", "fedpgp"])
+@pytest.mark.parametrize("method", ["promptfl", "dpfpl", "fedpgp", "fedsept"])
 def test_batched_runs_are_bitwise_the_same_inline_and_on_1_2_3_ray_actors(tmp_path, cache_dir, ray_session, method):
     """The must-show of issue 29: with DP-SGD on (per-client noise streams and ledgers), stacks that span
     hosts (6 clients, stack_size 4, participation 2/3): results.csv, the final shared tensors and every
-    client's ledger (and private tensors: DP-FPL's U, V, S, FedPGP's U, V, carried between hosts as guests)
-    are bitwise the same on every backend and pool size."""
+    client's ledger (and private tensors: DP-FPL's U, V, S, FedPGP's U, V, FedSEPT's R and router state_dict,
+    carried between hosts as guests) are bitwise the same on every backend and pool size. FedSEPT (SMALL):
+    its patch router's tokens, dropout (each client's own global-RNG state) and L_gate."""
     ref = go(tmp_path, cache_dir, "inline", dp=4.0, method=method)
     for n in (1, 2, 3):
         got = go(tmp_path, cache_dir, f"ray{n}", dp=4.0, method=method, backend="ray", num_actors=n, client_cpus=0.25)

@@ -28,9 +28,10 @@ def hosts(tmp_path, cache_dir, *, dp=0.0, sampling="poisson", **extra):
     out = []
     execution = extra.pop("execution", {})
     train = extra.pop("train", {})
+    data_opts = extra.pop("data", {})
     for batch in (False, True):
         values = dict(train={"num_clients": CLIENTS, "batch_size": 8, "n_ctx": 4, **train},
-                      data={"shots": 0, "partition": "dirichlet", "beta": 0.5},
+                      data={"shots": 0, "partition": "dirichlet", "beta": 0.5, **data_opts},
                       execution={"batch_clients": batch, **execution}, **extra)
         if dp:
             values["dp"] = {"epsilon": dp, "sampling": sampling}
@@ -195,7 +196,7 @@ def test_methods_that_do_not_stack_are_unaffected(tmp_path, cache_dir):
 
     from raysim.engine.batched import train_stack
 
-    for method, extra in (("fedsept", {}), ("flaky", {}), ("promptfl", {"execution": {"client_timeout": 100.0}})):
+    for method, extra in (("fedpha", {}), ("flaky", {}), ("promptfl", {"execution": {"client_timeout": 100.0}})):
         _, h = hosts(tmp_path / method, cache_dir, method=method, **extra)
         assert train_stack(h, 0, list(h.clients), shared_of(h)) is None, method
     _, h = hosts(tmp_path / "pfl", cache_dir)
