@@ -122,11 +122,7 @@ class FedPGP(ClipPromptMethod):
     @staticmethod
     def plain_features(env) -> Tensor:
         """t0: the text features of "X X ... X <class>." (no learned context), constant: computed once per env."""
-        t0 = getattr(env, "_fedpgp_t0", None)
-        if t0 is None:
-            t0 = env.prompts.plain_text_features()
-            env._fedpgp_t0 = t0
-        return t0
+        return env.plain_text
 
     def predictor(self, env, shared, private, data=None):
         """The latest global context with the client's own U V (SPEC 1.8)."""

@@ -4,6 +4,7 @@ features, and a text tower that accepts learned prompt embeddings (CoOp, SPEC 1.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 from dataclasses import dataclass
@@ -567,6 +568,11 @@ class ClipEnv:
     feature_dim: int
     token_dim: int = 0  # width of the image tower's tokens (`token_site`); 0 where raysim cannot read them
     token_head: TokenHead | None = None  # per-token map into the embedding space, built on request (build_clip_env)
+
+    @functools.cached_property
+    def plain_text(self) -> Tensor:
+        """The features of the untouched "X X ... X class." prompts (FedPGP's t0): constant, computed once per env."""
+        return self.prompts.plain_text_features()
 
     @property
     def ctx_width(self) -> int:
