@@ -271,24 +271,25 @@ def _loss(model, targets: _Targets, images: torch.Tensor, idx: torch.Tensor, gen
     if s.class_weight > 0:
         loss = loss + s.class_weight * F.cross_entropy(scale * img_f @ targets.features(targets.prompt_ids).T,
                                                        targets.labels[idx], label_smoothing=s.label_smoothing)
+    # the prompt terms see only the images of the prompt pool's classes (all, unless --prompt-holdout)
+    pool_f, labels = img_f, targets.labels[idx]
+    if targets.prompt_index is not None:  # labelled by pool column; held-out classes map to -1
+        labels = targets.prompt_index[labels]
+        keep = labels >= 0
+        pool_f, labels = img_f[keep], labels[keep]
     if s.prompt_weight > 0 and targets.prompt_pool is not None:
         from raysim.tools.pretrain_prompts import prompt_loss
 
-        labels = targets.labels[idx]
-        if targets.prompt_index is not None:  # only the images of the pool's classes, labelled by pool column
-            labels = targets.prompt_index[labels]
-            keep = labels >= 0
-            img_f, labels = img_f[keep], labels[keep]
-        loss = loss + s.prompt_weight * prompt_loss(img_f, labels, targets.prompt_pool, model.text.proj,
+        loss = loss + s.prompt_weight * prompt_loss(pool_f, labels, targets.prompt_pool, model.text.proj,
                                                     scale, s.label_smoothing, sets=8, gen=gen)
-    if s.prompt_align > 0 and targets.align_pool is not None:
+    if s.prompt_align > 0 and targets.align_pool is not None and targets.align_target is not None:
         from raysim.tools.pretrain_prompts import align_loss
 
         pool = targets.align_pool
-        if s.align_images:  # 8 sets per step, distilled on the batch's images
+        if s.align_images:  # 8 sets per step, distilled on the batch's images (of the pool's classes)
             pool = pool[torch.randperm(pool.shape[0], generator=gen)[:8]]
         loss = loss + s.prompt_align * align_loss(pool, targets.align_target, model.text.proj,
-                                                  img_f if s.align_images else None, scale)
+                                                  pool_f if s.align_images else None, scale)
     return loss
 
 
@@ -546,13 +547,16 @@ def _prompt_loss_desc(m: dict) -> str:
                 "(4 fixed draws), through the prompt learner's own text path")
     if m.get("prompt_align"):
         how = ("the KL divergence from the class distribution that \"a photo of a {class}.\" gives each image of the "
-               "batch (no gradient through it) to the distributions that the CoOp prompts with a zero or N(0, 0.02^2) "
+               f"batch{' of those classes' if m.get('prompt_weight') and m.get('prompt_holdout') else ''} (no gradient "
+               "through it) to the distributions that the CoOp prompts with a zero or N(0, 0.02^2) "
                f"context (4, 8 and 16 vectors, {m.get('gauss_draws', 8)} fixed Gaussian draws each; 8 of the "
                f"{3 * (1 + m.get('gauss_draws', 8))} sets drawn per step) give it, over all pretraining classes"
                if m.get("align_images") else
                "the cosine distance between the projected CoOp prompts with a zero or N(0, 0.02^2) context (4, 8 and 16 "
                "vectors) and the projected \"a photo of a {class}.\", over all pretraining classes")
-        desc += f", plus {m['prompt_align']} x {how} (no class label enters this term; `pretrain_prompts.align_loss`)"
+        labels = ("class labels only choose its images" if m.get("align_images") and m.get("prompt_weight")
+                  and m.get("prompt_holdout") else "no class label enters this term")
+        desc += f", plus {m['prompt_align']} x {how} ({labels}; `pretrain_prompts.align_loss`)"
     return desc
 
 

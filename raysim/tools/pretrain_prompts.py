@@ -118,6 +118,8 @@ def align_loss(pooled: torch.Tensor, target: torch.Tensor, proj: nn.Module, img_
     tgt = F.normalize(proj(target), dim=-1)
     if img_f is None:
         return (1 - (ctx * tgt[None]).sum(-1)).mean()
+    if scale is None:
+        raise ValueError("align_loss on images needs the logit scale")
     teacher = F.log_softmax(scale * img_f @ tgt.detach().T, dim=-1)  # (B, C)
     student = F.log_softmax(scale * torch.einsum("bd,scd->sbc", img_f, ctx), dim=-1)  # (S, B, C)
     return (teacher.exp()[None] * (teacher[None] - student)).sum(-1).mean()
