@@ -116,10 +116,11 @@ class DataConfig:
 class ModelConfig:
     """The foundation model: any open_clip name (ViT-B-16, ...), raysim-clip (bundled, the default), raysim-clip2
     (bundled: ViT tower with patch tokens, trained on CoOp contexts too; not yet the default, see
-    docs/papers/fedsept.md) or raysim-tiny."""
+    docs/papers/fedsept.md), raysim-clip3 (bundled: raysim-clip2's towers, benchmark classes held out of its
+    prompt loss) or raysim-tiny."""
 
     name: str = "raysim-clip"
-    pretrained: str = "bundled"  # open_clip tag (openai, ...), a checkpoint path, "bundled" (raysim-clip2, raysim-clip), "" = random init
+    pretrained: str = "bundled"  # open_clip tag (openai, ...), a checkpoint path, "bundled" (raysim-clip2/3, raysim-clip), "" = random init
 
 
 @dataclass

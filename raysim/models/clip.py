@@ -19,7 +19,7 @@ from raysim.errors import ConfigError, DataError
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 BUNDLED_MODEL = "raysim-clip2"  # the small CLIP this project pretrains on generated data and ships (the default)
-BUNDLED_MODELS = ("raysim-clip2", "raysim-clip")  # shipped (raysim.models.bundled.BUNDLED); raysim-clip: the first, a CNN
+BUNDLED_MODELS = ("raysim-clip2", "raysim-clip", "raysim-clip3")  # shipped (raysim.models.bundled.BUNDLED); raysim-clip: the first, a CNN
 BUNDLED_TAG = "bundled"  # pretrained=bundled: the project's own weights for a shipped model
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 BUNDLED_ASSET = ASSETS / BUNDLED_MODEL

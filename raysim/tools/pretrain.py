@@ -190,28 +190,40 @@ class _Targets:
     prompt_ids: torch.Tensor  # (C,) the entries of the class prompts
     labels: torch.Tensor  # (N,) class labels of the training images
     unique_captions: int
-    prompt_pool: Optional[torch.Tensor] = None  # (S, C, width) pooled class prompts (pretrain_prompts), if used
+    prompt_pool: Optional[torch.Tensor] = None  # (S, C', width) pooled class prompts (pretrain_prompts), if used
     prompt_names: tuple = ()
+    prompt_index: Optional[torch.Tensor] = None  # (C,) class label -> its column in the pool, -1 if held out
+    align_pool: Optional[torch.Tensor] = None  # (S, C, width) zero / N(0, 0.02^2) CoOp contexts of every class
+    align_target: Optional[torch.Tensor] = None  # (C, width) "a photo of a {class}." of every class
 
 
 def _text_targets(model, tokenizer, text: str, train, classes: Sequence[str], cache_dir: str,
-                  progress: bool, prompt_weight: float = 0.0, model_name: str = "", seed: int = 0) -> _Targets:
+                  progress: bool, prompt_weight: float = 0.0, model_name: str = "", seed: int = 0,
+                  prompt_holdout: int = 0, prompt_align: float = 0.0, gauss_draws: int = 8) -> _Targets:
     uniq, cap_id = np.unique(np.asarray(train.captions), return_inverse=True)
     prompts = [DEFAULT_TEMPLATES[0].format(c) for c in classes]
     features = text_heads(model, tokenizer, text, list(uniq) + prompts, cache_dir, progress)
-    pool: Optional[torch.Tensor] = None
-    names: tuple[str, ...] = ()
-    if prompt_weight > 0:
-        if text != "minilm":
-            raise ValueError("--prompt-weight needs the frozen MiniLM text tower (--text minilm)")
-        from raysim.tools.pretrain_prompts import context_pool, template_pool
+    targets = _Targets(features, torch.from_numpy(cap_id.astype(np.int64)),
+                       torch.arange(len(uniq), len(uniq) + len(prompts)), torch.from_numpy(train.labels), int(len(uniq)))
+    if prompt_weight <= 0 and prompt_align <= 0:
+        return targets
+    if text != "minilm":
+        raise ValueError("--prompt-weight and --prompt-align need the frozen MiniLM text tower (--text minilm)")
+    from raysim.tools.pretrain_prompts import PROMPT_TEMPLATES, context_pool, template_pool
 
-        tp = template_pool(model, tokenizer, classes, cache_dir=cache_dir)
-        cp = context_pool(model, model_name, classes, seed=seed)
-        pool, names = torch.cat([tp.pooled, cp.pooled]), tuple(tp.names + cp.names)
-    return _Targets(features, torch.from_numpy(cap_id.astype(np.int64)),
-                    torch.arange(len(uniq), len(uniq) + len(prompts)), torch.from_numpy(train.labels), int(len(uniq)),
-                    pool, names)
+    cp = context_pool(model, model_name, classes, n_gauss=gauss_draws, seed=seed)  # (S, C, width), every class
+    if prompt_weight > 0:
+        kept = list(classes[prompt_holdout:])  # the first `prompt_holdout` classes stay out of the prompt pool
+        if not kept:
+            raise ValueError(f"--prompt-holdout {prompt_holdout} leaves no class for the prompt pool")
+        tp = template_pool(model, tokenizer, kept, cache_dir=cache_dir)
+        targets.prompt_pool = torch.cat([tp.pooled, cp.pooled[:, prompt_holdout:]])
+        targets.prompt_names = tuple(tp.names + cp.names)
+        targets.prompt_index = torch.arange(len(classes)) - prompt_holdout  # held-out classes: negative columns
+    if prompt_align > 0:  # the zero and Gaussian contexts of every class, and the phrase
+        targets.align_pool = cp.pooled[[i for i, n in enumerate(cp.names) if not n.startswith("tokens")]]
+        targets.align_target = template_pool(model, tokenizer, classes, PROMPT_TEMPLATES[:1], cache_dir=cache_dir).pooled[0]
+    return targets
 
 
 @dataclasses.dataclass
@@ -229,6 +241,9 @@ class _Schedule:
     seed: int
     prompt_weight: float = 0.0
     freeze_visual: bool = False
+    prompt_holdout: int = 0
+    prompt_align: float = 0.0
+    align_images: bool = False
 
 
 def _batches(n: int, batch_size: int, steps: int, gen: torch.Generator) -> Iterator[torch.Tensor]:
@@ -256,11 +271,25 @@ def _loss(model, targets: _Targets, images: torch.Tensor, idx: torch.Tensor, gen
     if s.class_weight > 0:
         loss = loss + s.class_weight * F.cross_entropy(scale * img_f @ targets.features(targets.prompt_ids).T,
                                                        targets.labels[idx], label_smoothing=s.label_smoothing)
+    # the prompt terms see only the images of the prompt pool's classes (all, unless --prompt-holdout)
+    pool_f, labels = img_f, targets.labels[idx]
+    if targets.prompt_index is not None:  # labelled by pool column; held-out classes map to -1
+        labels = targets.prompt_index[labels]
+        keep = labels >= 0
+        pool_f, labels = img_f[keep], labels[keep]
     if s.prompt_weight > 0 and targets.prompt_pool is not None:
         from raysim.tools.pretrain_prompts import prompt_loss
 
-        loss = loss + s.prompt_weight * prompt_loss(img_f, targets.labels[idx], targets.prompt_pool, model.text.proj,
+        loss = loss + s.prompt_weight * prompt_loss(pool_f, labels, targets.prompt_pool, model.text.proj,
                                                     scale, s.label_smoothing, sets=8, gen=gen)
+    if s.prompt_align > 0 and targets.align_pool is not None and targets.align_target is not None:
+        from raysim.tools.pretrain_prompts import align_loss
+
+        pool = targets.align_pool
+        if s.align_images:  # 8 sets per step, distilled on the batch's images (of the pool's classes)
+            pool = pool[torch.randperm(pool.shape[0], generator=gen)[:8]]
+        loss = loss + s.prompt_align * align_loss(pool, targets.align_target, model.text.proj,
+                                                  pool_f if s.align_images else None, scale)
     return loss
 
 
@@ -324,16 +353,17 @@ def _save(model, out_p: Path, half: bool) -> tuple[int, int]:
     return ckpt_bytes, int(trained_bytes)
 
 
-def _evaluate(out_p: Path, data: _Data) -> dict:
-    """Zero-shot accuracy of the saved checkpoint, loaded through the real loading path."""
-    from raysim.tools.pretrain_prompts import context_zero_shot
+def _evaluate(out_p: Path, data: _Data, seed: int = 0) -> dict:
+    """Zero-shot accuracy of the saved checkpoint, loaded through the real loading path (random contexts:
+    fresh draws, none of them in the pretraining prompt pools)."""
+    from raysim.tools.pretrain_prompts import FRESH_DRAWS, context_zero_shot
 
     loaded, tok, name = load(out_p)
     bench_acc = _zero_shot(loaded, tok, data.bench_test, data.bench)
     contexts = {}
     for bname, params, split in (("synthetic", data.bench, data.bench_test), ("synthetic-large", *_large_test())):
         contexts[bname] = context_zero_shot(loaded, name, split.images, split.labels, list(params.classes), split.domains,
-                                            list(params.domains))
+                                            list(params.domains), seed=seed + FRESH_DRAWS)
     domain_prompts = {}
     for d, dname in enumerate(data.bench.domains):
         sel = data.bench_test.domains == d
@@ -359,6 +389,9 @@ def _metrics(args: dict, name: str, cfg: dict, model, data: _Data, targets: _Tar
         "vision_cfg": cfg["vision_cfg"], "steps": args["steps"], "batch_size": args["batch_size"], "lr": args["lr"],
         "class_weight": args["class_weight"], "label_smoothing": args["label_smoothing"],
         "prompt_weight": args.get("prompt_weight", 0.0), "prompt_sets": len(targets.prompt_names),
+        "prompt_holdout": args.get("prompt_holdout", 0), "prompt_align": args.get("prompt_align", 0.0),
+        "align_images": args.get("align_images", False),
+        "seed": args.get("seed", 0), "gauss_draws": args.get("gauss_draws", 8),
         "init_visual": args.get("init_visual", ""), "freeze_visual": args.get("freeze_visual", False),
         "train_seconds": round(train_seconds, 1), "data_seconds": round(data.seconds, 1),
         "total_seconds": round(time.time() - t_start, 1), "checkpoint_bytes": sizes[0],
@@ -405,6 +438,10 @@ def pretrain(
     prompt_weight: float = 0.0,
     init_visual: str = "",
     freeze_visual: bool = False,
+    prompt_holdout: int = 0,
+    prompt_align: float = 0.0,
+    align_images: bool = False,
+    gauss_draws: int = 8,
 ) -> Path:
     """Train the dual encoder on generated captions and write into `out`: the checkpoint (`model.pt`, a state
     dict; float16 when `half`), the open_clip config (`<model_name>.json`), a model card (`MODEL_CARD.md`)
@@ -439,11 +476,12 @@ def pretrain(
     if init_visual:
         state = torch.load(os.path.expanduser(init_visual), map_location="cpu", weights_only=True)
         model.visual.load_state_dict({k: v.float() for k, v in state.items()})
-    targets = _text_targets(model, tokenizer, text, data.train, classes, cache_dir, progress, prompt_weight, name, seed)
+    targets = _text_targets(model, tokenizer, text, data.train, classes, cache_dir, progress, prompt_weight, name, seed,
+                            prompt_holdout, prompt_align, gauss_draws)
     schedule = _Schedule(**{f.name: args[f.name] for f in dataclasses.fields(_Schedule)})
     trained = _train(model, tokenizer, targets, data, schedule, name, progress)
     sizes = _save(model, out_p, half)
-    metrics = _metrics(args, name, cfg, model, data, targets, t_start, trained, sizes, _evaluate(out_p, data))
+    metrics = _metrics(args, name, cfg, model, data, targets, t_start, trained, sizes, _evaluate(out_p, data, seed))
     (out_p / METRICS).write_text(json.dumps(metrics, indent=2))
     (out_p / CARD).write_text(_model_card(metrics, cfg))
     if progress:
@@ -497,12 +535,29 @@ def _class_loss_desc(m: dict, n_classes: int) -> str:
 
 
 def _prompt_loss_desc(m: dict) -> str:
-    if not m.get("prompt_weight"):
-        return ""
-    return (f", plus {m['prompt_weight']} x the mean cross-entropy against {m.get('prompt_sets', '?')} sets of class prompts "
-            "(8 drawn per step; `raysim.tools.pretrain_prompts`): the class in 10 templates, and the CoOp prompt "
-            "\"X ... X {class}.\" with 4, 8 and 16 context vectors that are zero, N(0, 0.02^2) (8 fixed draws) or the "
-            "embeddings of random token ids (4 fixed draws), through the prompt learner's own text path")
+    desc = ""
+    if m.get("prompt_weight"):
+        hold = m.get("prompt_holdout", 0)
+        whose = (f"of the pretraining classes except the first {hold} (the `synthetic` benchmark's, which keep only "
+                 "their captions), on those classes' images" if hold else "")
+        desc = (f", plus {m['prompt_weight']} x the mean cross-entropy against {m.get('prompt_sets', '?')} sets of class "
+                f"prompts {whose}".rstrip() + " (8 drawn per step; `raysim.tools.pretrain_prompts`): the class in 10 "
+                "templates, and the CoOp prompt \"X ... X {class}.\" with 4, 8 and 16 context vectors that are zero, "
+                f"N(0, 0.02^2) ({m.get('gauss_draws', 8)} fixed draws) or the embeddings of random token ids "
+                "(4 fixed draws), through the prompt learner's own text path")
+    if m.get("prompt_align"):
+        how = ("the KL divergence from the class distribution that \"a photo of a {class}.\" gives each image of the "
+               f"batch{' of those classes' if m.get('prompt_weight') and m.get('prompt_holdout') else ''} (no gradient "
+               "through it) to the distributions that the CoOp prompts with a zero or N(0, 0.02^2) "
+               f"context (4, 8 and 16 vectors, {m.get('gauss_draws', 8)} fixed Gaussian draws each; 8 of the "
+               f"{3 * (1 + m.get('gauss_draws', 8))} sets drawn per step) give it, over all pretraining classes"
+               if m.get("align_images") else
+               "the cosine distance between the projected CoOp prompts with a zero or N(0, 0.02^2) context (4, 8 and 16 "
+               "vectors) and the projected \"a photo of a {class}.\", over all pretraining classes")
+        labels = ("class labels only choose its images" if m.get("align_images") and m.get("prompt_weight")
+                  and m.get("prompt_holdout") else "no class label enters this term")
+        desc += f", plus {m['prompt_align']} x {how} ({labels}; `pretrain_prompts.align_loss`)"
+    return desc
 
 
 def _visual_desc(m: dict) -> str:
@@ -576,9 +631,15 @@ def _remake_command(m: dict, cfg: dict) -> str:
         parts += ["--vision vit", f"--vision-width {vc['width']}", f"--vision-layers {vc['layers']}",
                   f"--patch-size {vc['patch_size']}"]
     for flag, key, default in (("--steps", "steps", 500), ("--batch-size", "batch_size", 256), ("--lr", "lr", 2e-3),
-                               ("--class-weight", "class_weight", 0.0), ("--prompt-weight", "prompt_weight", 0.0)):
+                               ("--class-weight", "class_weight", 0.0), ("--prompt-weight", "prompt_weight", 0.0),
+                               ("--prompt-holdout", "prompt_holdout", 0), ("--prompt-align", "prompt_align", 0.0),
+                               ("--gauss-draws", "gauss_draws", 8)):
         if m.get(key, default) != default:
             parts.append(f"{flag} {m[key]}")
+    if m.get("align_images"):
+        parts.append("--align-images")
+    if m.get("seed"):
+        parts.append(f"--seed {m['seed']}")
     if m.get("init_visual"):
         parts.append(f"--init-visual {m['init_visual']}")
     if m.get("freeze_visual"):
@@ -589,8 +650,8 @@ def _remake_command(m: dict, cfg: dict) -> str:
 
 CONTEXT_ROWS = {"phrase": "\"a photo of a\" (CoOp's CTX_INIT)",
                 "zero": "zeros (FedSEPT's shared prompt A B0 starts next to it: entries of std 0.0016 at rank 16)",
-                "gauss": "N(0, 0.02^2) (CoOp's random start; mean of 5 draws)",
-                "tokens": "random token ids (mean of 5 draws)"}
+                "gauss": "N(0, 0.02^2) (CoOp's random start; mean of 5 fresh draws, none in the training pool)",
+                "tokens": "random token ids (mean of 5 fresh draws)"}
 
 
 def _contexts_section(ctx: Optional[dict]) -> list[str]:
@@ -639,6 +700,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--prompt-weight", type=float, default=0.0,
                    help="weight of the class-prompt pool loss (templates and zero/random CoOp contexts; "
                         "raysim/tools/pretrain_prompts.py)")
+    p.add_argument("--prompt-holdout", type=int, default=0, metavar="N",
+                   help="leave the first N pretraining classes out of the prompt-pool loss (10: the `synthetic` "
+                        "benchmark's classes, which then keep only their captions)")
+    p.add_argument("--prompt-align", type=float, default=0.0, metavar="W",
+                   help="weight of a text-only loss pulling the zero and N(0, 0.02^2) CoOp contexts of every class "
+                        "onto \"a photo of a {class}.\" (cosine distance after the projection; no image, no label)")
+    p.add_argument("--align-images", action="store_true",
+                   help="--prompt-align on the batch's images: KL from the phrase's class distribution (no "
+                        "gradient) to the contexts' (still no class label)")
+    p.add_argument("--gauss-draws", type=int, default=8, metavar="N",
+                   help="fixed N(0, 0.02^2) contexts per context length in the prompt pools (default 8)")
     p.add_argument("--init-visual", default="", metavar="PT",
                    help="start the image tower from this open_clip visual state dict (e.g. raysim/assets/raysim-vit/visual.pt)")
     p.add_argument("--freeze-visual", action="store_true", help="keep the image tower fixed (features computed once)")
@@ -666,7 +738,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         context_length=a.context_length,
         half=not a.fp32, eval_every=a.eval_every, threads=a.threads, cache_dir=a.cache_dir,
         progress=not a.quiet, seed=a.seed, prompt_weight=a.prompt_weight, init_visual=a.init_visual,
-        freeze_visual=a.freeze_visual,
+        freeze_visual=a.freeze_visual, prompt_holdout=a.prompt_holdout, prompt_align=a.prompt_align,
+        align_images=a.align_images, gauss_draws=a.gauss_draws,
     )
     print(out)
     if a.export_asset:

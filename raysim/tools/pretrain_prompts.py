@@ -30,6 +30,10 @@ PROMPT_TEMPLATES = (
 CTX_LENGTHS = (4, 8, 16)
 PHRASE = "a photo of a"
 INIT_STD = 0.02  # CoOp's and the FedSEPT repository's initialisation scale
+# `context_zero_shot`'s seed for a model pretrained with seed S is S + FRESH_DRAWS: its random contexts are then
+# fresh draws. (With the same seed its first N(0, 0.02^2) draws are the training pool's own 4-vector draws:
+# `context_pool` and `context_zero_shot` draw from the same generator sequence.)
+FRESH_DRAWS = 101
 
 
 def _tower(model, model_name: str):
@@ -99,6 +103,26 @@ def prompt_loss(img_f: torch.Tensor, labels: torch.Tensor, pooled: torch.Tensor,
     text = F.normalize(proj(pooled.reshape(S * C, w)), dim=-1).view(S, C, -1)
     logits = scale * torch.einsum("bd,scd->sbc", img_f, text)
     return F.cross_entropy(logits.reshape(S * len(labels), C), labels.repeat(S), label_smoothing=label_smoothing)
+
+
+def align_loss(pooled: torch.Tensor, target: torch.Tensor, proj: nn.Module, img_f: Optional[torch.Tensor] = None,
+               scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Pull each prompt set's projected class features (S, C, width) onto the projected features of the
+    same classes in the target prompt (C, width), e.g. a zero or N(0, 0.02^2) CoOp context onto
+    "a photo of a {class}.". Without `img_f`: the mean cosine distance (text only). With image features
+    `img_f` (B, D): the KL divergence from the target prompts' class distribution over these images (the
+    teacher, no gradient) to each set's (the student), at logit scale `scale`. No class label enters either,
+    so the loss shapes how the projection treats the context and leaves the image-text fit to the captions."""
+    S, C, w = pooled.shape
+    ctx = F.normalize(proj(pooled.reshape(S * C, w)), dim=-1).view(S, C, -1)
+    tgt = F.normalize(proj(target), dim=-1)
+    if img_f is None:
+        return (1 - (ctx * tgt[None]).sum(-1)).mean()
+    if scale is None:
+        raise ValueError("align_loss on images needs the logit scale")
+    teacher = F.log_softmax(scale * img_f @ tgt.detach().T, dim=-1)  # (B, C)
+    student = F.log_softmax(scale * torch.einsum("bd,scd->sbc", img_f, ctx), dim=-1)  # (S, B, C)
+    return (teacher.exp()[None] * (teacher[None] - student)).sum(-1).mean()
 
 
 # --------------------------------------------------------------------------------------------------------

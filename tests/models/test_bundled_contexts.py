@@ -1,15 +1,20 @@
-"""The shipped raysim-clip2 behaves like CLIP at a prompt learner's start (issue 24, item 5):
-through the prompt learner's own text path, a zero context and N(0, 0.02^2) contexts (the official CoOp /
-FedSEPT initialisation) score within 3 points of the phrase "a photo of a"; and the model has patch tokens.
+"""The shipped raysim-clip3 behaves like CLIP at a prompt learner's start (issue 24, item 5): through the
+prompt learner's own text path, a zero context and N(0, 0.02^2) contexts (the official CoOp / FedSEPT
+initialisation) score within 3 points of the phrase "a photo of a"; and the model has patch tokens.
 
-The Gaussian row is the mean over the same 5 draws the model card reports (single draws spread by a few
-points: `benchmarks/fedsept_offline_analysis.py`'s one draw scores 64.5 against the phrase's 68.0, and FedSEPT's
-A B0 start 66.4). The weights and the generated data are fixed, so the accuracies are deterministic up to float round-off,
+The Gaussian row is the mean over 5 fresh draws (`context_zero_shot(seed=FRESH_DRAWS)`, as the model cards
+report them). With seed 0, the default, the first draws are exactly the 4-vector Gaussian contexts of the
+pretraining prompt pool (`context_pool` draws from the same generator sequence), so on a model trained with
+that pool seed 0 measures contexts it was fitted to: raysim-clip2 scores 67.1 there against the phrase's
+68.0, but 61.0 and 59.8 on fresh draws (seeds 101 and 102). Its Gaussian property does not hold on fresh
+draws (xfail below); raysim-clip3 (a pool of 256 draws per length, and the zero / Gaussian contexts distilled
+onto the phrase without labels) keeps it on fresh draws.
+
+The weights and the generated data are fixed, so the accuracies are deterministic up to float round-off,
 which differs by CPU (summation order in the matrix products): that can flip a prediction whose two best
 classes tie to within ~1e-6, a few of the 3,000 test images at most (0.1 point). The assertion is the
-property itself (a gap of at most 3 points); the measured gaps (MODEL_CARD.md) are well inside it, so the
-round-off cannot decide it, while a model trained on captions only fails it by 10 to 20 points
-(raysim-clip: 15.3 on synthetic-large, below)."""
+property itself (a gap of at most 3 points), while a model trained on captions only fails it by 10 to 20
+points (raysim-clip: 15.3 on synthetic-large, below)."""
 
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import pytest
 from raysim.data import synthetic as syn
 from raysim.models import bundled
 from raysim.models.clip import ModelSpec, load_clip, token_site
-from raysim.tools.pretrain_prompts import context_zero_shot
+from raysim.tools.pretrain_prompts import FRESH_DRAWS, context_zero_shot
 
 
 @pytest.fixture(scope="module")
@@ -26,18 +31,31 @@ def large_test(cache_dir):
     return syn.generate(syn.LARGE, cache_dir)[1]
 
 
-def _contexts(name: str, cache_dir: str, split) -> dict:
+def _contexts(name: str, cache_dir: str, split, seed: int = FRESH_DRAWS) -> dict:
     model = load_clip(ModelSpec(name, "bundled", cache_dir=cache_dir))
     return context_zero_shot(model, name, split.images, split.labels, list(syn.LARGE.classes), split.domains,
-                             list(syn.LARGE.domains), n_random=5)
+                             list(syn.LARGE.domains), n_random=5, seed=seed)
 
 
-def test_raysim_clip2_scores_a_near_zero_context_like_the_phrase(cache_dir, large_test):
-    acc = _contexts(bundled.BUNDLED_NAME, cache_dir, large_test)
+def _near_phrase(acc: dict) -> None:
     phrase = acc["phrase"]["overall"]
     assert phrase > acc["chance"] + 30, acc  # a real zero-shot classifier
     for start in ("zero", "gauss"):
         assert abs(acc[start]["overall"] - phrase) <= 3.0, (start, acc)
+
+
+@pytest.mark.parametrize("name", [
+    bundled.CLIP3_NAME,
+    pytest.param(bundled.BUNDLED_NAME, marks=pytest.mark.xfail(
+        strict=True, reason="raysim-clip2: fresh N(0, 0.02^2) contexts score 61.0 against the phrase's 68.0")),
+])
+def test_scores_a_near_zero_context_like_the_phrase(cache_dir, large_test, name):
+    _near_phrase(_contexts(name, cache_dir, large_test))
+
+
+def test_raysim_clip2_on_its_training_pools_draws(cache_dir, large_test):
+    """What raysim-clip2's card reported: seed 0's Gaussian draws are its pool's own (zero 67.0, N 67.1, phrase 68.0)."""
+    _near_phrase(_contexts(bundled.BUNDLED_NAME, cache_dir, large_test, seed=0))
 
 
 def test_the_captions_only_model_does_not(cache_dir, large_test):
@@ -46,8 +64,9 @@ def test_the_captions_only_model_does_not(cache_dir, large_test):
     assert acc["phrase"]["overall"] - acc["zero"]["overall"] > 3.0, acc
 
 
-def test_raysim_clip2_has_patch_tokens(cache_dir):
-    visual = load_clip(ModelSpec(bundled.BUNDLED_NAME, "bundled", cache_dir=cache_dir)).visual
+@pytest.mark.parametrize("name", [bundled.BUNDLED_NAME, bundled.CLIP3_NAME])
+def test_has_patch_tokens(cache_dir, name):
+    visual = load_clip(ModelSpec(name, "bundled", cache_dir=cache_dir)).visual
     _, _, width = token_site(visual)
     grid = visual.grid_size if hasattr(visual, "grid_size") else None
     assert width > 0 and grid is not None and grid[0] * grid[1] > 1  # 8 x 8 patches of 4 px at 32 px

@@ -94,3 +94,36 @@ def test_bundled_checkpoint_has_real_zero_shot_ability(tmp_path):
                                 list(params.domains))
     assert acc["overall"] > acc["chance"] + 30, acc
     assert all(acc[d] > acc["chance"] + 10 for d in syn.DOMAINS), acc
+
+
+def test_align_loss_is_zero_when_the_contexts_match_the_phrase():
+    from raysim.tools.pretrain_prompts import align_loss
+
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(8, 4)
+    target = torch.randn(5, 8)
+    img = torch.nn.functional.normalize(torch.randn(6, 4), dim=-1)
+    same = target[None].repeat(3, 1, 1)
+    other = same + torch.randn(3, 5, 8)
+    for kw in ({}, {"img_f": img, "scale": torch.tensor(50.0)}):
+        assert align_loss(same, target, proj, **kw).item() == pytest.approx(0.0, abs=1e-5)
+        loss = align_loss(other, target, proj, **kw)
+        assert loss.item() > 1e-3
+        loss.backward()
+        assert proj.weight.grad is not None and proj.weight.grad.abs().sum() > 0
+        proj.zero_grad()
+
+
+def test_pretrain_prompt_holdout_and_align(tmp_path):
+    out = _run(tmp_path, "minilm", "cnn", embed_dim=32, prompt_weight=1.0, prompt_holdout=2, prompt_align=1.0,
+               align_images=True)
+    m = json.loads((out / pt.METRICS).read_text())
+    assert (m["prompt_holdout"], m["prompt_align"], m["align_images"]) == (2, 1.0, True)
+    card = (out / pt.CARD).read_text()
+    assert "except the first 2" in card and "KL divergence" in card
+    cfg = json.loads((out / f"{m['model_name']}.json").read_text())
+    assert "--prompt-holdout 2 --prompt-align 1.0 --align-images" in pt._remake_command(m, cfg)
+    with pytest.raises(ValueError, match="leaves no class"):
+        pt.pretrain(out=str(tmp_path / "none"), steps=1, batch_size=16, per_cell=2, classes=syn.CLASS_POOL[:4],
+                    warmup=1, cache_dir=str(tmp_path / "cache"), bench=BENCH, progress=False, prompt_weight=1.0,
+                    prompt_holdout=4)
