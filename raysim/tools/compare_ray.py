@@ -8,7 +8,8 @@ reserves (`run_bundles`):
   execution.client_gpus of a GPU when the cluster has GPUs;
 - a Ray-backend run: a placement group of its actors' bundles, as a sweep trial reserves
   (raysim.tools.sweep.trial_bundles): a small one for the task itself, one for the server when it reserves
-  anything, one per client actor; the run's actors are captured into the group.
+  anything, one per client actor; the run's actors are captured into the group. With execution.num_actors=0
+  its actors are as many as fit next to the task's own bundle (`pool_for_task`).
 
 As many runs are in flight at once as fit the cluster (or `--max-concurrent`). The driver shows one
 progress line for the whole table (runs done / running / queued, each running run's latest round, read
@@ -51,6 +52,22 @@ def run_bundles(cfg: Any, cluster: Mapping[str, float]) -> list[dict[str, float]
     if x.server_cpus > 0 or sg > 0:
         bundles.append(bundle(x.server_cpus, sg))
     return bundles + [bundle(x.client_cpus, cg) for _ in hosts]
+
+
+def pool_for_task(cfg: Any, cluster: Mapping[str, float]) -> Any:
+    """`cfg` with its client actors counted for a run that is itself a Ray task: a pooled Ray-backend run with
+    num_actors=0 ("as many as the cluster has room for") would plan them from the whole cluster inside the
+    task, where the task's own bundle (MIN_BUNDLE_CPU) is already reserved, so its placement group could never
+    fit; it gets the number that fits next to that bundle, fixed in its config (results do not depend on the
+    pool size). Other configs are returned as they are."""
+    import dataclasses
+
+    x = cfg.execution
+    if x.backend != "ray" or x.placement != "pooled" or x.num_actors > 0:
+        return cfg
+    has_gpu = float(cluster.get("GPU", 0)) > 0
+    hosts = plan_hosts(cfg, float(cluster.get("CPU", 0)) - MIN_BUNDLE_CPU, float(cluster.get("GPU", 0)) if has_gpu else 0.0)
+    return dataclasses.replace(cfg, execution=dataclasses.replace(x, num_actors=len(hosts)))
 
 
 def runs_that_fit(bundles: list[dict[str, float]], cluster: Mapping[str, float]) -> int:
@@ -126,6 +143,7 @@ def run_concurrently(configs: Mapping[int, Any], names: Mapping[int, str], *, ma
     seconds: dict[int, float] = {}
     try:
         cluster = ray.cluster_resources()
+        configs = {i: pool_for_task(configs[i], cluster) for i in order}
         needs = {i: run_bundles(configs[i], cluster) for i in order}
         fit = min(runs_that_fit(b, cluster) for b in needs.values())
         if fit == 0:

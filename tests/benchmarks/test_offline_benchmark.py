@@ -1,4 +1,4 @@
-"""The offline benchmark means something: on the bundled raysim-clip and the generated `synthetic` data,
+"""The offline benchmark means something: on the bundled default model (raysim-clip3) and the generated `synthetic` data,
 prompt tuning beats zero-shot CLIP, with margin, for every seed tried (issue 7's ordering test)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ def in_client(tmp_path, cache_dir, name, **overrides) -> float:
     values = dict(execution={"backend": "inline"},
                   output={"progress": False, "tensorboard": False, "cache_dir": cache_dir, "out_dir": str(tmp_path / name)})
     cfg = build_config(merge_config(values, overrides))
-    assert (cfg.model.name, cfg.model.pretrained, cfg.data.dataset) == ("raysim-clip", "bundled", "synthetic")  # the defaults
+    assert (cfg.model.name, cfg.model.pretrained, cfg.data.dataset) == ("raysim-clip3", "bundled", "synthetic")  # the defaults
     return run(cfg).summary["in_client"]
 
 

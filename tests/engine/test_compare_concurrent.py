@@ -168,3 +168,25 @@ def test_a_ray_backend_run_places_its_actors_in_its_placement_group(ray_session,
     assert len(placed) == 1 and placed[0], placed  # one client actor, inside a placement group
     assert main([*args, "--out", str(tmp_path / "here"), "--max-concurrent", "1"]) == 0
     assert table_and_results(tmp_path / "ray") == table_and_results(tmp_path / "here")
+
+
+@pytest.mark.parametrize("cpus", [2.0, 8.0])
+def test_a_ray_backend_run_with_num_actors_0_fits_next_to_its_own_task(tmp_path, cpus):
+    """A table's Ray-backend run is itself a Ray task holding a small bundle: with num_actors=0 (the default) its
+    actors are counted from what is left beside that bundle and fixed in the run's config, so its placement group
+    fits the cluster (planned from the whole cluster, as a plain run would, it never fits: `raysim compare` on
+    the default backend refused every table of at least as many clients as CPUs)."""
+    from raysim.tools.compare_ray import MIN_BUNDLE_CPU, pool_for_task, run_bundles, runs_that_fit
+
+    spec, _ = spec_from_args(["--methods", "promptfl", *[a for a in TINY if not a.startswith("execution.backend")],
+                              "execution.backend=ray", "train.num_clients=10"])
+    (_, _, _, cfg), = plan(spec, tmp_path)
+    assert cfg.execution.num_actors == 0 and cfg.execution.client_cpus == 1.0
+    cluster = {"CPU": cpus}
+    assert runs_that_fit(run_bundles(cfg, cluster), cluster) == 0  # the whole cluster's actors plus the task's bundle
+    fixed = pool_for_task(cfg, cluster)
+    assert fixed.execution.num_actors == int(cpus) - 1  # 2 CPUs: 1 actor; 8: 7
+    bundles = run_bundles(fixed, cluster)
+    assert bundles[0] == {"CPU": MIN_BUNDLE_CPU} and runs_that_fit(bundles, cluster) == 1
+    inline = pool_for_task(plan(spec_from_args(["--methods", "promptfl", *TINY])[0], tmp_path)[0][3], cluster)
+    assert inline.execution.num_actors == 0  # an inline run is not changed

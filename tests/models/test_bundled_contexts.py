@@ -7,7 +7,7 @@ report them). With seed 0, the default, the first draws are exactly the 4-vector
 pretraining prompt pool (`context_pool` draws from the same generator sequence), so on a model trained with
 that pool seed 0 measures contexts it was fitted to: raysim-clip2 scores 67.1 there against the phrase's
 68.0, but 61.0 and 59.8 on fresh draws (seeds 101 and 102). Its Gaussian property does not hold on fresh
-draws (xfail below); raysim-clip3 (a pool of 256 draws per length, and the zero / Gaussian contexts distilled
+draws (asserted below); raysim-clip3 (a pool of 256 draws per length, and the zero / Gaussian contexts distilled
 onto the phrase without labels) keeps it on fresh draws.
 
 The weights and the generated data are fixed, so the accuracies are deterministic up to float round-off,
@@ -44,18 +44,18 @@ def _near_phrase(acc: dict) -> None:
         assert abs(acc[start]["overall"] - phrase) <= 3.0, (start, acc)
 
 
-@pytest.mark.parametrize("name", [
-    bundled.CLIP3_NAME,
-    pytest.param(bundled.BUNDLED_NAME, marks=pytest.mark.xfail(
-        strict=True, reason="raysim-clip2: fresh N(0, 0.02^2) contexts score 61.0 against the phrase's 68.0")),
-])
-def test_scores_a_near_zero_context_like_the_phrase(cache_dir, large_test, name):
-    _near_phrase(_contexts(name, cache_dir, large_test))
+def test_the_default_model_scores_a_near_zero_context_like_the_phrase(cache_dir, large_test):
+    assert bundled.DEFAULT_NAME == bundled.CLIP3_NAME
+    _near_phrase(_contexts(bundled.DEFAULT_NAME, cache_dir, large_test))
 
 
-def test_raysim_clip2_on_its_training_pools_draws(cache_dir, large_test):
-    """What raysim-clip2's card reported: seed 0's Gaussian draws are its pool's own (zero 67.0, N 67.1, phrase 68.0)."""
+def test_raysim_clip2_only_on_its_training_pools_draws(cache_dir, large_test):
+    """What raysim-clip2's card first reported (zero 67.0, N 67.1, phrase 68.0) holds on seed 0's Gaussian draws,
+    which are its prompt pool's own; fresh draws lose 7-8 points (61.0 / 59.8 against 68.0 at seeds 101 / 102):
+    the gap asserted (> 3) is the property's failure, with room for the round-off described above."""
     _near_phrase(_contexts(bundled.BUNDLED_NAME, cache_dir, large_test, seed=0))
+    fresh = _contexts(bundled.BUNDLED_NAME, cache_dir, large_test)
+    assert fresh["phrase"]["overall"] - fresh["gauss"]["overall"] > 3.0, fresh
 
 
 def test_the_captions_only_model_does_not(cache_dir, large_test):
