@@ -132,8 +132,8 @@ class ClipPromptMethod(Method):
                 **{n: {k: v.detach().cpu() for k, v in m.state_dict().items()} for n, m in c.modules.items()}}
 
     def batched_local_train(self, env, shared: dict[str, Tensor], jobs: Sequence[ClientJob], *, privacy) -> list[LocalResult]:
-        """`local_train` of several clients at once: `train_clients` with one text-tower forward per step over the
-        stacked contexts of the clients that still have batches (A x n contexts, the shared CoOp prefix computed
+        """`local_train` of several clients at once: `train_clients` with one text-tower forward per step (and
+        context length) over the stacked contexts of the clients that still have batches (A x n contexts, the shared CoOp prefix computed
         once per context: raysim/models/shared_prefix.py; `stack_full_forward` takes the full forward instead),
         and one `privacy.backward` (raysim/engine/batched.py StackPrivacy) that gives every client the gradient
         (or DP-SGD step, with its own clipping and noise) of its own loss alone. Equal to `local_train` client
@@ -199,7 +199,7 @@ class ClipPromptMethod(Method):
         """The text features of the clients' contexts, each in the shape of its contexts (a tensor, or a tuple):
         one `forward` per context length over the stack (the contexts of that length concatenated in order,
         encoded with `step_prompts(env, length)` and split back). Contexts of one length (every method but
-        FedPHA): one forward, as before lengths were told apart. No contexts (n = 0): returned as they are."""
+        FedPHA): one forward over all of them. No contexts (n = 0): returned as they are."""
         parts = [list(c) if isinstance(c, (tuple, list)) else [c] for c in ctxs]
         flat = [t for p in parts for t in p]
         out: list[Tensor] = list(flat)
