@@ -133,8 +133,9 @@ class ClipPromptMethod(Method):
 
     def batched_local_train(self, env, shared: dict[str, Tensor], jobs: Sequence[ClientJob], *, privacy) -> list[LocalResult]:
         """`local_train` of several clients at once: `train_clients` with one text-tower forward per step (and
-        context length) over the stacked contexts of the clients that still have batches (A x n contexts, the shared CoOp prefix computed
-        once per context: raysim/models/shared_prefix.py; `stack_full_forward` takes the full forward instead),
+        context length) over the stacked contexts of the clients that still have batches (A x n contexts, the
+        shared CoOp prefix computed once per context: raysim/models/shared_prefix.py; `stack_full_forward`
+        takes the full forward instead),
         and one `privacy.backward` (raysim/engine/batched.py StackPrivacy) that gives every client the gradient
         (or DP-SGD step, with its own clipping and noise) of its own loss alone. Equal to `local_train` client
         by client up to float reassociation."""
