@@ -1,14 +1,14 @@
 """Client-batched training of each prompt method that stacks: s/round client by client vs in stacks, without
 DP and under DP-SGD at epsilon 1.
 
-    python benchmarks/batched_methods.py [--methods promptfl dpfpl fedpgp fedotp pfedmoap fedsept] [--clients 20]
+    python benchmarks/batched_methods.py [--methods promptfl dpfpl fedpgp fedotp pfedmoap fedsept fedpha] [--clients 20]
                                          [--per-round 8] [--rounds 4] [--repeats 1] [--dp 0 1]
 
 Digits with a tiny random CLIP (raysim-tiny, whose ViT tower gives FedOTP's default patch tokens), `--clients`
 clients (IID) of which `--per-round` take part per round, batch 32 (each client takes a few steps a round), one
 local epoch; each method at its defaults (FedSEPT: 4 experts, the pooled router; pFedMoAP's clients have experts
-from their second participation on). The engine inline, all clients on
-one host, with execution.batch_clients=false and =true; per (method, epsilon) the median s/round over the
+from their second participation on; FedPHA without the EOT quirk, its clients' local prompts of 4-16 tokens).
+The engine inline, all clients on one host, with execution.batch_clients=false and =true; per (method, epsilon) the median s/round over the
 rounds after the first (which warms caches), median over `--repeats`, the two loops alternating. The
 methods' own tests check that the stacks equal client by client (tests/engine/test_batched_prompt_methods.py).
 """
@@ -51,7 +51,7 @@ def seconds(cfg) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", nargs="+", default=["promptfl", "dpfpl", "fedpgp", "fedotp", "pfedmoap", "fedsept"])
+    ap.add_argument("--methods", nargs="+", default=["promptfl", "dpfpl", "fedpgp", "fedotp", "pfedmoap", "fedsept", "fedpha"])
     ap.add_argument("--clients", type=int, default=20)
     ap.add_argument("--per-round", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=4)

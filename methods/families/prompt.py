@@ -1,6 +1,6 @@
 """What the CLIP prompt-tuning methods (FedSEPT and its baselines, zeroshot) share: the base that builds the
 frozen CLIP env and computes s * <v(x), t_c>, the local round of a method described by step hooks (one client,
-or a client-batched stack: PromptFL, DP-FPL, FedPGP, FedOTP, pFedMoAP, FedSEPT), the attack
+or a client-batched stack: PromptFL, DP-FPL, FedPGP, FedOTP, pFedMoAP, FedSEPT, FedPHA), the attack
 hook's loss split, the prompt optimiser of SPEC 1.7, a seeded block for dropout and nn init, and a client's
 own global-RNG state (`ClientRNG`: its dropout draws, the same alone or in a stack)."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterable, Iterator, Optional, Sequence, TypeVar, cast
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Optional, Sequence, TypeVar, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from raysim.methods.base import ClientData, EnvSpec, LocalResult, Method
 
+Contexts = Union[Tensor, tuple[Tensor, ...]]  # what step_contexts returns: (n, L, w) contexts, or several of other lengths
 ParamOrGroup = TypeVar("ParamOrGroup", Tensor, dict[str, Any])  # what torch.optim takes: tensors, or param groups
 
 
@@ -98,17 +99,24 @@ class ClipPromptMethod(Method):
         (before any batch is drawn from it) as the client's round would at its start."""
         return PromptClient({self.batched_context: _leaf(shared[self.batched_context], env)}, {})
 
-    def step_contexts(self, c: "PromptClient") -> Tensor:
+    def step_contexts(self, c: "PromptClient") -> "Contexts":
         """The (n, L, w) contexts whose text features a step of client c reads (one forward for a stack; n = 0:
-        none, the method encodes its prompts inside step_loss)."""
+        none, the method encodes its prompts inside step_loss), or a tuple of such tensors of different lengths
+        L (FedPHA: one forward per length for a stack, with `step_prompts(env, L)`)."""
         return c.dp[self.batched_context][None]
+
+    def step_prompts(self, env, length: int):
+        """The CoOpPrompts that encode contexts of `length` tokens: env.prompts (a method whose contexts have
+        lengths other than train.n_ctx says which prompts encode each: FedPHA)."""
+        return env.prompts
 
     def step_unused(self, c: "PromptClient") -> Optional[Tensor]:
         """Contexts a reference code encodes at every step without reading them (their cost, no gradient)."""
         return None
 
-    def step_loss(self, env, c: "PromptClient", text: Tensor, x: Tensor, y: Tensor, *, tokens: Optional[Tensor] = None) -> "StepLoss":
-        """Client c's loss on its batch (x, y) given the (n, C, D) text features of `step_contexts(c)`; `tokens`:
+    def step_loss(self, env, c: "PromptClient", text: Any, x: Tensor, y: Tensor, *, tokens: Optional[Tensor] = None) -> "StepLoss":
+        """Client c's loss on its batch (x, y) given the (n, C, D) text features of `step_contexts(c)` (a tuple
+        of them where it returns a tuple); `tokens`:
         the batch's image tokens when the method needs them (`needs().tokens`), else None. Runs under the
         client's own global RNG (`PromptClient.rng`) when it has one."""
         loss = F.cross_entropy(self.logits(env, x, text[0]), y, reduction="none")
@@ -124,25 +132,27 @@ class ClipPromptMethod(Method):
                 **{n: {k: v.detach().cpu() for k, v in m.state_dict().items()} for n, m in c.modules.items()}}
 
     def batched_local_train(self, env, shared: dict[str, Tensor], jobs: Sequence[ClientJob], *, privacy) -> list[LocalResult]:
-        """`local_train` of several clients at once: `train_clients` with one text-tower forward per step over the
-        stacked contexts of the clients that still have batches (A x n contexts, the shared CoOp prefix computed
-        once per context: raysim/models/shared_prefix.py; `stack_full_forward` takes the full forward instead),
+        """`local_train` of several clients at once: `train_clients` with one text-tower forward per step (and
+        context length) over the stacked contexts of the clients that still have batches (A x n contexts, the
+        shared CoOp prefix computed once per context: raysim/models/shared_prefix.py; `stack_full_forward`
+        takes the full forward instead),
         and one `privacy.backward` (raysim/engine/batched.py StackPrivacy) that gives every client the gradient
         (or DP-SGD step, with its own clipping and noise) of its own loss alone. Equal to `local_train` client
         by client up to float reassociation."""
         from raysim.models.shared_prefix import stacked_text_features  # the prefix shared by a context's C prompts, once
 
-        forward = env.prompts.text_features if self.stack_full_forward else (lambda ctx: stacked_text_features(env.prompts, ctx))
+        forward = full_forward if self.stack_full_forward else stacked_text_features
         return self.train_clients(env, shared, jobs, privacy, forward)
 
     def train_clients(self, env, shared: dict[str, Tensor], jobs: Sequence[ClientJob], privacy,
-                      forward: Callable[[Tensor], Tensor]) -> list[LocalResult]:
+                      forward: Callable[[Any, Tensor], Tensor]) -> list[LocalResult]:
         """The local round of the step the hooks describe, for the clients `jobs` side by side: each client k has
         its own tensors (from the broadcast and its private state), batches (drawn from its own rng an epoch at a
         time, as client by client, since `step_epoch_end` may draw from it too) and SGD state. Per step, one
         `forward` of the stacked contexts of the clients that still have batches, each client's `step_loss` on
-        its own batch, one `privacy.backward`; clients with fewer batches drop out when they are done. `privacy`
-        is a StackPrivacy, or `OneClient` around a client's own handle (`local_train`)."""
+        its own batch, one `privacy.backward`; clients with fewer batches drop out when they are done (contexts of
+        several lengths: one `forward(prompts, contexts)` per length, `_encode`). `privacy` is a StackPrivacy, or
+        `OneClient` around a client's own handle (`local_train`)."""
         cs = [self.step_start(env, shared, j.private, j.rng) for j in jobs]
         opt = sgd([g for c in cs for g in c.groups()], self.train)  # SGD is elementwise per tensor: per client in effect
         ys = [j.data.y_train.to(env.device) for j in jobs]
@@ -152,13 +162,11 @@ class ClipPromptMethod(Method):
         now = [next(s, None) for s in steps]
         while any(n is not None for n in now):
             active = [k for k, n in enumerate(now) if n is not None]
-            ctxs = [self.step_contexts(cs[k]) for k in active]
-            both = torch.cat(ctxs)
-            text = (forward(both) if len(both) else both).split([len(t) for t in ctxs])
+            text = self._encode(env, [self.step_contexts(cs[k]) for k in active], forward)
             unused = [u for u in (self.step_unused(cs[k]) for k in active) if u is not None]
             if unused:
                 with torch.no_grad():
-                    forward(torch.cat(unused))
+                    self._encode(env, unused, forward)
             parts = []
             for a, k in enumerate(active):
                 epoch, idx, _ = cast(tuple[int, Tensor, bool], now[k])  # active: not None
@@ -188,6 +196,23 @@ class ClipPromptMethod(Method):
                             metrics={n: sum(ts.get(n, [])) / max(1, len(ts.get(n, []))) for n in names})
                 for c, j, ts, mine in zip(cs, jobs, terms, new)]
 
+    def _encode(self, env, ctxs: Sequence["Contexts"], forward: Callable[[Any, Tensor], Tensor]) -> list["Contexts"]:
+        """The text features of the clients' contexts, each in the shape of its contexts (a tensor, or a tuple):
+        one `forward` per context length over the stack (the contexts of that length concatenated in order,
+        encoded with `step_prompts(env, length)` and split back). Contexts of one length (every method but
+        FedPHA): one forward over all of them. No contexts (n = 0): returned as they are."""
+        parts = [list(c) if isinstance(c, (tuple, list)) else [c] for c in ctxs]
+        flat = [t for p in parts for t in p]
+        out: list[Tensor] = list(flat)
+        for length in dict.fromkeys(int(t.shape[-2]) for t in flat):  # the lengths in order of first appearance
+            at = [i for i, t in enumerate(flat) if int(t.shape[-2]) == length]
+            both = torch.cat([flat[i] for i in at])
+            if len(both):
+                for i, f in zip(at, forward(self.step_prompts(env, length), both).split([len(flat[i]) for i in at])):
+                    out[i] = f
+        it = iter(out)
+        return [tuple(next(it) for _ in p) if isinstance(c, (tuple, list)) else next(it) for c, p in zip(ctxs, parts)]
+
     def _steps(self, privacy, k: int, job: ClientJob) -> Iterator[tuple[int, Tensor, bool]]:
         """Client k's steps (epoch, batch, last of its epoch), each epoch's batches drawn when it begins."""
         for epoch in range(self.train.local_epochs):
@@ -198,7 +223,7 @@ class ClipPromptMethod(Method):
     def stacked_local_train(self, env, shared, private, data: ClientData, *, rng, privacy) -> LocalResult:
         """`local_train` of a method whose step the hooks describe: `train_clients` for this client alone, with
         the full text-tower forward and its own privacy handle."""
-        return self.train_clients(env, shared, [ClientJob(private, data, rng)], OneClient(privacy), env.prompts.text_features)[0]
+        return self.train_clients(env, shared, [ClientJob(private, data, rng)], OneClient(privacy), full_forward)[0]
 
 
 @dataclass
@@ -254,6 +279,11 @@ class OneClient:
 
     def backward(self, clients, losses, dp_params, other_params, public_loss) -> None:
         self.privacy.backward(losses[0], dp_params=dp_params[0], other_params=other_params[0], public_loss=public_loss[0])
+
+
+def full_forward(prompts, ctx: Tensor) -> Tensor:
+    """The full text-tower forward of contexts ctx (A, L, w) through CoOp prompts of L placeholders: (A, C, D)."""
+    return prompts.text_features(ctx)
 
 
 def _leaf(t: Tensor, env) -> Tensor:

@@ -13,18 +13,24 @@ Loss     per sample CE(s <v, t_P>) + CE(s <v, t_G>) + MSE(t_P, t_proj) + mean_c 
          are data-independent and, as in the official code, are added to every per-example loss.
 DP       DP-SGD on G only; P takes the plain gradient.
 Server   FedAvg of G. The client predicts with its local prompt t_P.
+Stacks   the step hooks below are the local round for one client or a client-batched stack
+         (ClipPromptMethod.train_clients, execution.batch_clients): a step's contexts are G (L tokens) and
+         P, P V_2 V_2^T (l_k tokens), and a stack encodes them with one text-tower forward per distinct length
+         (`step_prompts(env, length)`: the CoOp prompts of that many placeholders, or the quirk's below).
 
 EOT quirk (`eot_quirk=true`, off by default): the official code tokenises every prompt with
 Lmax = max(L, max_k l_k) placeholders, concatenates a shorter prompt with that suffix and pads with zero
 vectors, so a prompt of l < Lmax tokens is pooled Lmax - l positions after its real end-of-text token.
-With the flag the same happens here (Lmax from every client's derivable length); without it each
-prompt is encoded with its own number of placeholders.
+With the flag the same happens here (Lmax from every client's derivable length): a context of l tokens
+goes through `quirk_prompts(l)`, CoOp prompts of l placeholders whose suffix is Lmax's padded with the
+zero vectors and whose pooling position is Lmax's, so the quirk stacks by length like the plain path;
+without it each prompt is encoded with its own number of placeholders.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +38,7 @@ from torch import Tensor
 
 from raysim.errors import ConfigError
 from raysim.methods.base import ClientData, LocalResult, register_method, weighted_mean
-from raysim.methods.families.prompt import ClipPromptMethod, sgd
+from raysim.methods.families.prompt import ClipPromptMethod, PromptClient, StepLoss
 from raysim.privacy.mechanisms import dpsgd
 
 
@@ -69,6 +75,21 @@ def pull_push(t_local: Tensor, t_proj: Tensor, t_global: Tensor, alpha: float) -
     return pull, push
 
 
+def quirk_prompts(long, classnames, length: int):
+    """The official code's encoding of a context of `length` <= Lmax tokens as CoOp prompts of `length`
+    placeholders: after its context, the suffix of the Lmax-placeholder tokenisation `long` (class tokens, ".",
+    EOT), then Lmax - length zero vectors, so its total length is long's and it is pooled where long's EOT is,
+    Lmax - length positions after its own."""
+    from raysim.models.clip import CoOpPrompts
+
+    q = CoOpPrompts(long.tower, classnames, length).to(long.suffix.device)
+    C, _, w = long.suffix.shape
+    q.prefix = long.prefix
+    q.suffix = torch.cat([long.suffix, long.suffix.new_zeros(C, long.n_ctx - length, w)], dim=1)  # zero vectors to T
+    q.meta = long.meta  # pooled where Lmax placeholders would end
+    return q
+
+
 @register_method
 class FedPHA(ClipPromptMethod):
     name = "fedpha"
@@ -77,6 +98,7 @@ class FedPHA(ClipPromptMethod):
     Options = FedPHAOptions
     releases = {"ctx_global": dpsgd()}
     client_metrics = ("loss", "ce_local", "ce_global", "pull", "push")
+    batched_context = "ctx_global"  # local_train is the step hooks below, which stack clients (of any local lengths)
 
     def __init__(self, train, options, dp=None) -> None:
         super().__init__(train, options, dp)
@@ -111,16 +133,19 @@ class FedPHA(ClipPromptMethod):
             self._prompts[length] = CoOpPrompts(env.tower, env.classnames, length).to(env.device)
         return self._prompts[length]
 
+    def step_prompts(self, env, length: int):
+        """The prompts that encode a context of `length` tokens (a step's and the predictor's): CoOp prompts of
+        `length` placeholders, or under the EOT quirk `quirk_prompts` of Lmax's tokenisation."""
+        if not self.opts.eot_quirk:
+            return self.prompts(env, length)
+        long = self.prompts(env, self.quirk_length())  # (a new env empties the cache)
+        if -length not in self._prompts:  # the quirk's prompts of a length, cached beside the plain ones
+            self._prompts[-length] = quirk_prompts(long, env.classnames, length)
+        return self._prompts[-length]
+
     def text(self, env, ctx: Tensor) -> Tensor:
         """(C, D) normalised text features of a context of any length."""
-        if not self.opts.eot_quirk:
-            return self.prompts(env, int(ctx.shape[0])).text_features(ctx)
-        long = self.prompts(env, self.quirk_length())  # tokenised with Lmax placeholders: its suffix and pooling position
-        C = long.num_classes
-        short = torch.cat([long.prefix, ctx.to(long.prefix.dtype).unsqueeze(0).expand(C, -1, -1), long.suffix], dim=1)
-        T = long.prefix.shape[1] + long.n_ctx + long.suffix.shape[1]
-        padded = torch.cat([short, short.new_zeros(C, T - short.shape[1], short.shape[2])], dim=1)  # zero vectors to T
-        return F.normalize(long.tower(padded, long.meta), dim=-1)  # pooled where Lmax placeholders would end
+        return self.step_prompts(env, int(ctx.shape[0])).text_features(ctx)
 
     # -- server half -------------------------------------------------------------------------
     def init_shared(self, env, rng):
@@ -133,43 +158,33 @@ class FedPHA(ClipPromptMethod):
     def init_private(self, env, data: ClientData, rng):
         return {"ctx_local": torch.randn(self.local_length(data.client_id), env.ctx_width, generator=rng) * 0.02}
 
-    def losses(self, env, G: Tensor, P: Tensor, feats: Tensor, y: Tensor) -> dict[str, Tensor]:
-        """The four terms: per-sample CE of the local and of the global prompt, and the pull and push terms."""
-        t_local, t_global = self.text(env, P), self.text(env, G)
-        V2 = projection_basis(G, self.opts.ratio)
-        t_proj = self.text(env, P @ V2 @ V2.t())  # the local prompt projected onto G's trailing singular directions
-        pull, push = pull_push(t_local, t_proj, t_global, self.opts.alpha)
-        return {
-            "ce_local": F.cross_entropy(self.logits(env, feats, t_local), y, reduction="none"),
-            "ce_global": F.cross_entropy(self.logits(env, feats, t_global), y, reduction="none"),
-            "pull": pull,
-            "push": push,
-        }
-
     def local_train(self, env, shared, private, data: ClientData, *, rng, privacy) -> LocalResult:
+        return self.stacked_local_train(env, shared, private, data, rng=rng, privacy=privacy)  # the steps below
+
+    # the local round (ClipPromptMethod.train_clients, one client or a stack): G from the broadcast, P private
+    def step_start(self, env, shared, private, rng: torch.Generator) -> PromptClient:
         G = shared["ctx_global"].clone().to(env.device).requires_grad_(True)
         P = private["ctx_local"].clone().to(env.device).requires_grad_(True)
-        opt = sgd([G, P], self.train)
-        y = data.y_train.to(env.device)
-        terms: dict[str, list[float]] = {k: [] for k in self.client_metrics}
-        for epoch in range(self.train.local_epochs):
-            x = data.train_inputs(epoch)[0].to(env.device)  # this epoch's features (a drawn augmented view per image under data.augment)
-            for idx in privacy.batches(data.num_train, self.train.batch_size, rng):
-                parts = self.losses(env, G, P, x[idx], y[idx])
-                loss = parts["ce_local"] + parts["ce_global"] + parts["pull"] + parts["push"]  # per example, all weights 1
-                opt.zero_grad(set_to_none=True)
-                privacy.backward(loss, dp_params={"ctx_global": G}, other_params=[P])
-                opt.step()
-                if len(idx):  # a Poisson batch may be empty (a noise-only step)
-                    terms["loss"].append(loss.mean().item())
-                    for k, v in parts.items():
-                        terms[k].append(float(v.detach().mean()))
-        return LocalResult(
-            upload={"ctx_global": G.detach().cpu()},
-            private={"ctx_local": P.detach().cpu()},
-            num_samples=data.num_train,
-            metrics={k: sum(v) / max(1, len(v)) for k, v in terms.items()},
-        )
+        return PromptClient({"ctx_global": G}, {"ctx_local": P})
+
+    def step_contexts(self, c: PromptClient) -> tuple[Tensor, Tensor]:
+        """The global G (L tokens), and the local P with its projection P V_2 V_2^T (l_k tokens): t_G, t_P, t_proj."""
+        G, P = c.dp["ctx_global"], c.local["ctx_local"]
+        V2 = projection_basis(G, self.opts.ratio)  # differentiated through
+        return G[None], torch.stack([P, P @ V2 @ V2.t()])  # the local prompt projected onto G's trailing singular directions
+
+    def step_loss(self, env, c: PromptClient, text: tuple[Tensor, Tensor], x: Tensor, y: Tensor, *,
+                  tokens: Optional[Tensor] = None) -> StepLoss:
+        """The four terms, per example: the CE of the local and of the global prompt, plus the pull and push
+        terms (data-independent, added to every example's loss as in the official code; all weights 1)."""
+        (t_global,), (t_local, t_proj) = text[0], text[1]
+        pull, push = pull_push(t_local, t_proj, t_global, self.opts.alpha)
+        ce_local = F.cross_entropy(self.logits(env, x, t_local), y, reduction="none")
+        ce_global = F.cross_entropy(self.logits(env, x, t_global), y, reduction="none")
+        loss = ce_local + ce_global + pull + push
+        terms = {"loss": loss.detach().mean(), "ce_local": ce_local.detach().mean(), "ce_global": ce_global.detach().mean(),
+                 "pull": pull.detach(), "push": push.detach()}
+        return StepLoss(loss, None, terms)
 
     def predictor(self, env, shared, private, data=None):
         """The client's local prompt (the official test path); the global anchor only shapes its training."""

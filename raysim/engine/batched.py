@@ -1,9 +1,10 @@
 """Client-batched local training: the clients of a stack share one frozen text tower and train together.
 
 A method that supports it (`supports_batching()`: PromptFL, DP-FPL with dp_mode=per_example, FedPGP, FedOTP,
-pFedMoAP and FedSEPT but FedSEPT-PF, through `ClipPromptMethod.batched_context` and its step hooks) trains a stack
-of clients with `batched_local_train`: one text-tower forward per step over the stacked contexts of all clients
-(K x n x C prompts) instead of K forwards.
+pFedMoAP, FedSEPT but FedSEPT-PF, and FedPHA, through `ClipPromptMethod.batched_context` and its step hooks) trains
+a stack of clients with `batched_local_train`: one text-tower forward per step over the stacked contexts of all
+clients (K x n x C prompts) instead of K forwards (one per context length: FedPHA's local prompts differ in
+length from client to client).
 What stays per client is everything that makes a client: its own batches (from its own rng), loss, SGD
 state, privacy handle (`privacy.open` / `close`, its calibrated multiplier, its DP-SGD noise stream, its
 ledger) and its report. `StackPrivacy` is the privacy handle of a stack: one backward gives every client the gradient of its own loss alone,

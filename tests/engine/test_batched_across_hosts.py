@@ -36,7 +36,8 @@ def test_stacks_come_from_the_participants_alone():
 # of 1-3 batches), FedSEPT with 2 experts of rank 4 and its patch router (tokens, dropout 0.1, L_gate)
 SMALL = {"fedotp": {"data": {"shots": 2}},
          "pfedmoap": {"data": {"shots": 2}, "pfedmoap": {"gating_dim": 32}},
-         "fedsept": {"data": {"shots": 2}, "fedsept": {"experts": 2, "rank": 4, "router": "patch"}}}
+         "fedsept": {"data": {"shots": 2}, "fedsept": {"experts": 2, "rank": 4, "router": "patch"}},
+         "fedpha": {"data": {"shots": 2}, "fedpha": {"eot_quirk": True}}}  # local prompts of 4-16 tokens, the paper's quirk
 
 
 def go(tmp_path, cache_dir, tag, *, dp=0.0, method="promptfl", **execution):
@@ -88,8 +89,8 @@ def test_inline_on_one_host_or_three_is_bitwise_the_same(tmp_path, cache_dir, me
     assert_bitwise(ref, go(tmp_path, cache_dir, "three", method=method, num_actors=3), f"{method}, inline, 3 hosts")
 
 
-@pytest.mark.parametrize("method", ["fedotp", "pfedmoap"])
-def test_fedotp_and_pfedmoap_inline_on_one_host_or_three_are_bitwise_the_same(tmp_path, cache_dir, method):
+@pytest.mark.parametrize("method", ["fedotp", "pfedmoap", "fedpha"])
+def test_fedotp_pfedmoap_fedpha_inline_on_one_host_or_three_are_bitwise_the_same(tmp_path, cache_dir, method):
     """Under DP-SGD, tiny (SMALL); FedSEPT's case is the Ray test below, on 1, 2 and 3 actors."""
     ref = go(tmp_path, cache_dir, "one", dp=4.0, method=method)
     assert all(ref[2][c] is None or ref[2][c]["privacy"]["ledger"] for c in ref[2])

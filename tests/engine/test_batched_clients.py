@@ -196,7 +196,8 @@ def test_methods_that_do_not_stack_are_unaffected(tmp_path, cache_dir):
 
     from raysim.engine.batched import train_stack
 
-    for method, extra in (("fedpha", {}), ("flaky", {}), ("promptfl", {"execution": {"client_timeout": 100.0}})):
+    for method, extra in (("dpfpl", {"dpfpl": {"dp_mode": "reference"}}), ("flaky", {}),
+                          ("promptfl", {"execution": {"client_timeout": 100.0}})):
         _, h = hosts(tmp_path / method, cache_dir, method=method, **extra)
         assert train_stack(h, 0, list(h.clients), shared_of(h)) is None, method
     _, h = hosts(tmp_path / "pfl", cache_dir)
