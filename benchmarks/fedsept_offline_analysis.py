@@ -1,6 +1,6 @@
 """Why FedSEPT's shared part barely learns on the offline benchmark: the measurements behind the README.
 
-    python benchmarks/fedsept_offline_analysis.py [key=value ...]     # default: synthetic-large, bundled raysim-clip
+    python benchmarks/fedsept_offline_analysis.py [key=value ...]     # default: synthetic-large, the default model (raysim-clip3)
 
 Prints, on the run's model and dataset (centralised: all training features, no federation):
 
