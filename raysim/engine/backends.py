@@ -307,8 +307,12 @@ class RayBackend:
         def submit(i: int):
             return self.hosts[i].commit.remote(round_idx)
 
+        # the hosts and the server write at once; either order is safe to resume from: a host keeps its
+        # clients' version of the round before (prune_client), which is where a resume starts while the
+        # server has not committed this round
+        refs = {i: submit(i) for i in range(len(self.hosts))}
         self._server_call(lambda: self.server.commit.remote(round_idx), aggregated=True)
-        self._get_each({i: submit(i) for i in range(len(self.hosts))}, submit)
+        self._get_each(refs, submit)
         self._round = {}
 
     def shutdown(self) -> None:
