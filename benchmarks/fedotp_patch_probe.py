@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 warnings.simplefilter("ignore")
                 clf = LogisticRegression(max_iter=500).fit(ftr.numpy() * 10, y_tr)
             print(f"   {name:50s} {100 * clf.score(fte.numpy() * 10, y_te.numpy()):6.2f}")
-    print(f"\n({time.time() - t0:.0f} s)")
+        print(f"\n({time.time() - t0:.0f} s)")
     return 0
 
 
