@@ -231,9 +231,13 @@ def _phi(x: float) -> float:
 
 def analytic_gaussian_delta(multiplier: float, epsilon: float) -> float:
     """The exact delta(epsilon) of one Gaussian release with noise std `multiplier` x its L2 sensitivity
-    (Balle and Wang 2018, Thm. 8): Phi(1/(2m) - eps m) - e^eps Phi(-1/(2m) - eps m)."""
+    (Balle and Wang 2018, Thm. 8): Phi(1/(2m) - eps m) - e^eps Phi(-1/(2m) - eps m). The second term is taken
+    through log Phi (scipy's log_ndtr): e^eps alone overflows a float above eps ~ 709, where the product is
+    still finite (it is below Phi(-1/(2m) - eps m) e^eps <= 1 / (2 sqrt(pi eps)))."""
+    from scipy.special import log_ndtr
+
     m = float(multiplier)
-    return _phi(0.5 / m - epsilon * m) - math.exp(epsilon) * _phi(-0.5 / m - epsilon * m)
+    return _phi(0.5 / m - epsilon * m) - math.exp(epsilon + float(log_ndtr(-0.5 / m - epsilon * m)))
 
 
 def analytic_gaussian_epsilon(multiplier: float, *, delta: float) -> float:

@@ -186,3 +186,90 @@ def test_resolve_refuses_unknown_kinds_ambiguous_registries_and_mechanisms_witho
         resolve("reference", DPConfig(epsilon=1.0), what="w")
     assert str(e.value) == ("w: no registered mechanism serves reference releases at dp.level=sample with dp.prototypes=igpp; "
                             f"choose dp.prototypes from {', '.join(mechanisms.prototype_choices())} or dp.epsilon=inf")
+
+
+# ------------------------------------------------------------- the survivors of the 2026-12-06 run (docs/testing.md)
+def test_register_mechanism_adds_the_class_and_only_prototype_mechanisms_are_dp_prototypes_choices(monkeypatch):
+    # a mechanism registered at test time (the registry restored after): it is returned (a decorator) and listed;
+    # a `choice` on a mechanism that serves no prototype release is not a value dp.prototypes may take
+    from raysim.privacy.mechanisms.base import mechanisms as registered
+    from raysim.privacy.mechanisms.base import prototype_choices, register_mechanism
+
+    monkeypatch.setattr(MECHANISMS, "_items", dict(MECHANISMS._items))
+
+    class Chosen(Mechanism):
+        name = "test_chosen_update"
+        serves = ("update",)
+        levels = ("client",)
+        choice = "test_chosen_update"
+
+    assert register_mechanism(Chosen) is Chosen
+    assert Chosen in registered() and MECHANISMS.get("test_chosen_update") is Chosen
+    assert "test_chosen_update" not in prototype_choices()
+    assert prototype_choices() == sorted(c.choice for c in registered() if "prototype" in c.serves and c.choice)
+
+
+def test_the_embedding_and_client_update_plans_are_one_full_rate_release():
+    # calibration counts one Gaussian release at q = 1 per run (embedding) or per participation (client
+    # update), whatever the client's data and steps
+    emb = resolve("embedding", DPConfig(epsilon=1.0))
+    upd = resolve("update", DPConfig(epsilon=1.0, level="client"))
+    for mech in (emb, upd):
+        for n, s, b in ((10, 3, 5), (1000, 40, 1)):
+            assert mech.plan(num_train=n, steps_per_round=s, batch_size=b) == Planned(q=1.0, steps=1, pure_share=0.0)
+
+
+def test_the_client_update_noise_comes_from_the_callers_generator():
+    # the same seed gives the same release (reproducible runs), and it is noise_update's at sigma = 2 x the
+    # multiplier (sensitivity 2C), drawn from that generator
+    from raysim.privacy.client_level import noise_update
+
+    mech = resolve("update", DPConfig(epsilon=1.0, level="client", clip=0.5))
+    delta = {"w": torch.ones(50), "b": torch.zeros(3)}
+    a = mech.apply(delta, multiplier=1.3, generator=torch.Generator().manual_seed(7))
+    b = mech.apply(delta, multiplier=1.3, generator=torch.Generator().manual_seed(7))
+    want = noise_update(delta, clip=0.5, sigma=2.6, generator=torch.Generator().manual_seed(7))
+    for k in delta:
+        assert torch.equal(a[k], b[k]) and torch.equal(a[k], want[k])
+
+
+def test_the_dpfpl_reference_clip_and_noise_formulas():
+    # clip: the method's dpfpl.norm_thresh, else dp.clip (also for a method without options); sigma =
+    # sqrt(T ln(1/delta)) / epsilon at epsilon != 1, its stds sigma C / B (/ K), a batch of 1 (or 0) dividing by 1
+    from types import SimpleNamespace
+
+    from raysim.privacy.mechanisms.dpfpl_reference import local_noise_std, reference_sigma, server_noise_std
+
+    mech = resolve("reference", DPConfig(epsilon=2.0, clip=0.7))
+    assert mech.clip_of(object()) == 0.7 and mech.clip_of(SimpleNamespace(opts=object())) == 0.7
+    assert mech.clip_of(SimpleNamespace(opts=SimpleNamespace(norm_thresh=3.0))) == 3.0
+    sigma = math.sqrt(10 * math.log(1e5)) / 2.0
+    assert reference_sigma(10, 2.0, 1e-5) == pytest.approx(sigma, rel=1e-12)
+    assert reference_sigma(0, 2.0, 1e-5) == pytest.approx(math.sqrt(math.log(1e5)) / 2.0, rel=1e-12)  # T >= 1
+    for b in (1, 0):
+        assert local_noise_std(10, 2.0, 1e-5, 0.7, b) == pytest.approx(sigma * 0.7, rel=1e-12)
+        assert server_noise_std(10, 2.0, 1e-5, 0.7, b, 4) == pytest.approx(sigma * 0.7 / 4, rel=1e-12)
+    assert server_noise_std(10, 2.0, 1e-5, 0.7, 8, 4) == pytest.approx(sigma * 0.7 / 32, rel=1e-12)
+
+
+def test_a_dpfpl_reference_upload_without_its_clipped_gradient_fails_closed():
+    # verify: an upload is accepted only as the very gradient a clipped step computed for it. A stepper without
+    # gradients, one whose steps ran but did not compute this tensor, and a different tensor are each refused
+    # with UploadViolation (not another error: the host reports it as a violation)
+    from types import SimpleNamespace
+
+    from raysim.errors import UploadViolation
+
+    mech = resolve("reference", DPConfig(epsilon=1.0))
+    g = torch.tensor([1.0, 2.0])
+
+    def rp(stepper):
+        return SimpleNamespace(enabled=True, cid=3, stepper=stepper)
+
+    mech.verify(rp(SimpleNamespace(steps=2, grads={"ctx": g.clone()})), "ctx", g, "reference")  # accepted
+    for stepper in (SimpleNamespace(steps=2), SimpleNamespace(steps=2, grads={"other": g}),
+                    SimpleNamespace(steps=0, grads={"ctx": g})):
+        with pytest.raises(UploadViolation, match="client 3: 'ctx' is declared reference but no clipped step"):
+            mech.verify(rp(stepper), "ctx", g, "reference")
+    with pytest.raises(UploadViolation, match="is not the gradient the clipped step computed"):
+        mech.verify(rp(SimpleNamespace(steps=2, grads={"ctx": g})), "ctx", g + 1, "reference")

@@ -220,3 +220,55 @@ def test_a_clients_privacy_state_survives_a_checkpoint_and_an_abandoned_round_is
     once = {"desc": torch.ones(3)}
     back = ClientPrivacyState.from_dict(ClientPrivacyState(2.5, None, once).to_dict())
     assert back.multiplier == 2.5 and back.ledger is None and torch.equal(back.once["desc"], torch.ones(3))
+
+
+def test_a_budget_share_lies_in_zero_to_one_and_names_a_known_calibration():
+    # (0, 1]: a share of 0 would calibrate on no budget, above 1 on more than the client has; the message names
+    # the range and the value. ValueError: a method's declaration is wrong, not a user's config
+    from raysim.privacy.mechanisms.base import BudgetShare
+
+    assert BudgetShare(1.0).share == 1.0 and BudgetShare(1e-9).share == 1e-9
+    assert BudgetShare(0.5, "classic_gaussian").calibration == "classic_gaussian"
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError) as err:
+            BudgetShare(bad)
+        assert str(err.value) == f"a budget share must lie in (0, 1], got {bad}"
+    with pytest.raises(ValueError) as err:
+        BudgetShare(0.5, "laplace")
+    assert str(err.value) == "calibration must be one of accountant, classic_gaussian, got 'laplace'"
+
+
+def test_each_release_constructor_declares_its_kind():
+    # what a method writes in `releases`: the kind `resolve` picks a mechanism by, `once` only for the embedding
+    # (one release per run), and a public upload only with its note
+    from raysim.privacy.mechanisms import base
+
+    specs = {"dpsgd": base.dpsgd(), "update": base.update(), "prototype": base.prototype(),
+             "embedding": base.embedding(), "public": base.public("counts are public in the paper"),
+             "reference": base.reference()}
+    for kind, spec in specs.items():
+        assert spec.kind == kind and spec.once == (kind == "embedding")
+    assert specs["public"].note == "counts are public in the paper"
+    with pytest.raises(ValueError, match="a public upload needs a note"):
+        base.ReleaseSpec("public")
+    with pytest.raises(ValueError, match="a public upload needs a note"):
+        base.public("")
+    with pytest.raises(ValueError, match="release kind must be one of"):
+        base.ReleaseSpec("gradient")
+
+
+def test_the_ema_teacher_defaults_and_stays_in_eval_mode():
+    # SPEC 3.3's defaults (beta 0.999, warm-up 5); train() puts the wrapper in training mode but never the teacher
+    t = EMATeacher(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5)))
+    assert t.beta == 0.999 and t.warmup == 5
+    assert t.train() is t and t.training and not t.teacher.training
+    t.train(False)
+    assert not t.training and not t.teacher.training
+    t.train(True)
+    assert t.training and not t.teacher.training
+
+
+def test_an_unreachable_gaussian_target_says_what_to_raise_at_the_end_of_its_message():
+    with pytest.raises(ConfigError) as err:
+        acc.gaussian_rdp_sigma(epsilon=1e-9, delta=1e-5, releases=10)
+    assert str(err.value).endswith("needs a noise multiplier above 10000; raise epsilon or delta")

@@ -12,7 +12,9 @@ import torch
 from scipy.stats import f_oneway
 
 from raysim.errors import ConfigError
+from raysim.privacy import accountant as acc
 from raysim.privacy.client_level import clip_update, noise_update
+from raysim.privacy.dcr import kd_loss, soft_clip
 from raysim.privacy.prototypes import discriminativeness_scores, laplace_noise, private_topk_partition, topk_laplace_scale
 
 
@@ -124,3 +126,118 @@ def test_clustered_centres_are_noised_by_their_own_member_counts():
         assert float(out[k].std()) == pytest.approx(sigma * 2 * R / members, rel=5 / math.sqrt(2 * d))
     means = igpp_release(torch.zeros(10, d), labels, clip=R, sigma=sigma, generator=torch.Generator().manual_seed(0))[0]
     assert float(means.std()) == pytest.approx(sigma * 2 * R / 10, rel=5 / math.sqrt(2 * d))  # one mean of 10
+
+
+# ------------------------------------------------------------- the survivors of the 2026-12-06 run (functions
+# smaller than the groups above; docs/testing.md, "Mutation testing", the third table)
+def _hockey_stick(m: float, eps: float) -> float:
+    """delta(eps) of N(0, m^2) against N(1, m^2) from its definition, int (p - e^eps q)_+ dx, by quadrature
+    (independent of the closed form the accountant uses)."""
+    from scipy import integrate
+    from scipy.stats import norm
+
+    def f(x):
+        return max(0.0, norm.pdf(x, 0.0, m) - math.exp(eps) * norm.pdf(x, 1.0, m))
+
+    # the integrand is 0 right of the crossing point x* = 1/2 - eps m^2; below it, p dominates
+    cross = 0.5 - eps * m * m
+    value, _ = integrate.quad(f, cross - 40.0 * m, cross, epsabs=1e-14, epsrel=1e-10, limit=400)
+    return value
+
+
+@pytest.mark.parametrize("m, eps", [(0.5, 0.0), (0.5, 3.0), (1.0, 0.5), (2.0, 0.1), (0.8, 1.7)])
+def test_the_analytic_gaussian_delta_is_the_hockey_stick_divergence(m, eps):
+    # Balle and Wang's closed form against the divergence's definition; tolerance: quad's 1e-10 relative error
+    # plus the erfc rounding of the closed form (1e-12 absolute covers both at these deltas, 1e-4 to 0.4)
+    got = acc.analytic_gaussian_delta(m, eps)
+    assert got == pytest.approx(_hockey_stick(m, eps), rel=1e-8, abs=1e-12)
+    assert 0.0 < got < 1.0
+
+
+@pytest.mark.parametrize("m", [5.0, 1.0, 0.05, 0.024])
+def test_the_analytic_gaussian_epsilon_is_the_smallest_that_meets_delta(m):
+    # the bisection stops at width 1e-9 and returns its upper end: epsilon meets delta, and epsilon - 1e-8 no
+    # longer does (so the result is exact to 1e-8). m = 5 needs epsilon < 1 (below the first bracket), m = 1 one
+    # past two doublings of it; m = 0.024 (the classical multiplier at epsilon 200) one above 709, where e^eps
+    # alone overflows a float (it raised OverflowError before 2026-12-06)
+    delta = 1e-5
+    eps = acc.analytic_gaussian_epsilon(m, delta=delta)
+    assert math.isfinite(eps) and eps > 1e-8
+    assert acc.analytic_gaussian_delta(m, eps) <= delta < acc.analytic_gaussian_delta(m, eps - 1e-8)
+    assert {5.0: eps < 1.0, 1.0: 2.0 < eps < 8.0, 0.05: 8.0 < eps < 709.0, 0.024: eps > 709.0}[m]
+
+
+def test_the_analytic_gaussian_epsilon_edges():
+    # no noise (m <= 0), or so little that epsilon would pass 1e4: infinite; so much that delta(0) already meets
+    # the target (m > 1 / (sqrt(2 pi) delta) ~ 4e4 at delta 1e-5): zero
+    assert acc.analytic_gaussian_epsilon(0.0, delta=1e-5) == math.inf
+    assert acc.analytic_gaussian_epsilon(-1.0, delta=1e-5) == math.inf
+    assert acc.analytic_gaussian_epsilon(1e-3, delta=1e-5) == math.inf
+    assert math.isfinite(acc.analytic_gaussian_epsilon(acc.classic_gaussian_multiplier(epsilon=200.0, delta=1e-5),
+                                                       delta=1e-5))  # a classical-Gaussian share at epsilon 200
+    assert acc.analytic_gaussian_epsilon(1e6, delta=1e-5) == 0.0
+    with pytest.raises(ConfigError, match="delta must lie in"):
+        acc.analytic_gaussian_epsilon(1.0, delta=0.0)
+
+
+@pytest.mark.parametrize("eps, delta", [(0.5, 1e-5), (0.9, 1e-3), (0.2, 1e-6)])
+def test_the_classic_gaussian_multiplier_is_dwork_roths_and_meets_its_guarantee(eps, delta):
+    # sqrt(2 ln(1.25 / delta)) / epsilon (Dwork and Roth, Thm. A.1); its proof covers epsilon < 1, where the
+    # exact (analytic) epsilon of that noise is at most the epsilon asked for
+    m = acc.classic_gaussian_multiplier(epsilon=eps, delta=delta)
+    assert m == pytest.approx(math.sqrt(2.0 * math.log(1.25 / delta)) / eps, rel=1e-12)
+    assert acc.analytic_gaussian_epsilon(m, delta=delta) <= eps
+    assert acc.classic_gaussian_multiplier(epsilon=math.inf, delta=delta) == 0.0
+    with pytest.raises(ConfigError, match="epsilon must be > 0"):
+        acc.classic_gaussian_multiplier(epsilon=0.0, delta=delta)
+    with pytest.raises(ConfigError, match="delta must lie in"):
+        acc.classic_gaussian_multiplier(epsilon=eps, delta=1.0)
+
+
+def test_clipping_an_update_below_norm_one_scales_it_to_C():
+    # ||u|| = 0.5 and C = 0.2: the factor is C / ||u|| = 0.4 (a floor on the norm is only there for u = 0)
+    up = {"a": torch.tensor([0.3]), "b": torch.tensor([0.4])}
+    out = clip_update(up, 0.2)
+    assert out["a"].item() == pytest.approx(0.12, rel=1e-6) and out["b"].item() == pytest.approx(0.16, rel=1e-6)
+    assert clip_update({"z": torch.zeros(3)}, 0.2)["z"].abs().sum() == 0  # zero update: no division by zero
+
+
+def test_client_level_noise_without_a_generator_is_drawn_on_the_cpu_at_sigma_C():
+    # generator=None (the signature allows it): the global CPU stream; 40000 coordinates give the sample std to
+    # within 5 / sqrt(2 * 40000) = 1.8% (5 standard errors)
+    n, clip, sigma = 40000, 0.5, 1.5
+    up = {"w": torch.zeros(n)}
+    out = noise_update(up, clip=clip, sigma=sigma, generator=None)
+    assert out["w"].device.type == "cpu"
+    assert float(out["w"].std()) == pytest.approx(sigma * clip, rel=5 / math.sqrt(2 * n))
+
+
+def test_soft_clip_worked_values_below_and_above_the_radius():
+    # z * min(1, R / (||z|| + gamma R)) row by row; R = 2 and gamma = 0.5 so that gamma R differs from gamma / R,
+    # and rows whose denominator is below 1 (a floor on it is only there for z = 0). float64: exact to 1e-12
+    R, gamma = 2.0, 0.5
+    z = torch.tensor([[0.03, 0.04], [3.0, 4.0], [0.0, 0.0], [0.6, 0.8]], dtype=torch.float64)
+    norms = torch.tensor([0.05, 5.0, 0.0, 1.0], dtype=torch.float64)
+    scale = R / (norms + gamma * R)
+    torch.testing.assert_close(soft_clip(z, R=R, gamma=gamma, expand=True), z * scale[:, None], rtol=1e-12, atol=0)
+    torch.testing.assert_close(soft_clip(z, R=R, gamma=gamma), z * scale.clamp(max=1.0)[:, None], rtol=1e-12, atol=0)
+    assert soft_clip(z, R=R, gamma=gamma)[0].tolist() == z[0].tolist()  # inside: unchanged (shrink only)
+    small = torch.tensor([[0.03, 0.04]], dtype=torch.float64)  # ||z|| + gamma R = 0.05 + 0.05 < 1
+    assert float(soft_clip(small, R=0.5, gamma=0.1, expand=True).norm()) == pytest.approx(0.05 * 0.5 / 0.1, rel=1e-12)
+
+
+def test_the_distillation_loss_below_temperature_one_is_t_squared_times_the_kl():
+    # KL(softmax(t / T) || softmax(s / T)) T^2, averaged over the batch, at T = 0.5 (temperatures below 1 are
+    # valid: they sharpen); numpy in float64 against torch in float64
+    s = np.array([[1.0, -0.5, 2.0], [0.3, 0.1, -1.0]])
+    t = np.array([[0.5, 0.5, 1.0], [2.0, -1.0, 0.0]])
+    T = 0.5
+
+    def log_softmax(a):
+        a = a / T
+        return a - np.log(np.exp(a - a.max(-1, keepdims=True)).sum(-1, keepdims=True)) - a.max(-1, keepdims=True)
+
+    ls, lt = log_softmax(s), log_softmax(t)
+    want = float((np.exp(lt) * (lt - ls)).sum(-1).mean() * T * T)
+    got = kd_loss(torch.tensor(s), torch.tensor(t), T=T)
+    assert float(got) == pytest.approx(want, rel=1e-10)

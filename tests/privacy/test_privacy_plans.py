@@ -291,3 +291,19 @@ def test_vpp_noises_the_prototypes_whenever_its_multiplier_is_positive_also_belo
     clean = group_clip(x, out["idx_A"], out["idx_B"], 2.0)[y == 0].mean(0)
     # noise of std >= 0.5 * 2R / 10 = 0.1 per coordinate: far above float rounding
     assert float((out["prototypes"][0] - clean).abs().max()) > 1e-3
+
+
+def test_a_ledger_at_sigma_one_is_finite_and_what_remains_is_target_minus_spent():
+    # a multiplier of exactly 1 is an ordinary Gaussian release (only sigma 0, no noise, is infinite): the
+    # ledger's epsilon equals the accountant's for the same history (the ledger's fast path is Opacus' RDP
+    # analysis; tolerance: the same computation up to float summation order)
+    led = PrivacyLedger(target_epsilon=8.0, delta=DELTA)
+    assert led.claimed_epsilon() is None and led.remaining() == 8.0  # nothing released, nothing claimed
+    led.record(Release("dpsgd", 1.0, 0.1, 50, 0))
+    eps = led.epsilon()
+    assert math.isfinite(eps) and eps == pytest.approx(epsilon_spent([(1.0, 0.1, 50)], delta=DELTA), rel=1e-9)
+    assert led.remaining() == pytest.approx(8.0 - eps, rel=1e-12) and led.remaining() < 8.0
+    assert led.claimed_epsilon() is None  # a valid release claims nothing
+    zero = PrivacyLedger(target_epsilon=math.inf, delta=DELTA)
+    zero.record(Release("dpsgd", 0.0, 0.1, 5, 0))
+    assert zero.epsilon() == math.inf

@@ -131,3 +131,17 @@ def test_client_level_update():
     torch.testing.assert_close(n1["a"], n2["a"])
     resid = torch.cat([(n1[k] - c[k]).reshape(-1) for k in upd])
     assert resid.std().item() == pytest.approx(1.0, rel=0.08)
+
+
+def test_clean_centres_are_the_unclipped_cluster_means_class_by_class():
+    # DP off with clustered prototypes: each (class, cluster) mean of the raw features (norms of 10 to 50: no
+    # clipping), classes in increasing order and clusters by id within a class; exact means of small integers
+    from raysim.privacy.prototypes import clean_centres
+
+    x = torch.tensor([[10.0, 0.0], [0.0, 20.0], [0.0, 40.0], [30.0, 0.0], [50.0, 0.0], [0.0, 30.0]])
+    labels = torch.tensor([1, 1, 1, 0, 0, 0])
+    ids = torch.tensor([0, 1, 1, 0, 0, 1])
+    want = torch.tensor([[40.0, 0.0], [0.0, 30.0], [10.0, 0.0], [0.0, 30.0]])
+    assert torch.equal(clean_centres(x, labels, ids), want)
+    with pytest.raises(ValueError, match=r"labels must have shape \(6,\)"):
+        clean_centres(x, labels[:4], ids)  # one label per feature row
