@@ -199,11 +199,17 @@ def test_ctrl_c_ends_the_run_cleanly_and_resume_continues_it_identically(tmp_pat
     out = tmp_path / "cut"
     cfg_file = tmp_path / "cut.yaml"
     cfg_file.write_text(tiny_config(tmp_path, cache_dir, train={"rounds": rounds}, output={"out_dir": str(out)}).to_yaml())
-    # the run at a lower priority than this test: on a loaded machine (CI's other test worker) this loop must see
-    # round 1 and send the interrupt while the run still has rounds left (once, it finished all 100 first)
+    def child() -> None:
+        # Ctrl-C as a terminal sends it: a test suite started in the background by a non-interactive shell
+        # inherits SIGINT ignored, and so would the run (Python then installs no KeyboardInterrupt handler);
+        # and the run at a lower priority than this test, so on a loaded machine this loop sees round 1 and
+        # sends the interrupt while the run still has rounds left
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.nice(10)
+
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "raysim" / "run.py"), "--config", str(cfg_file)],
-        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.nice(10),
+        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=child,
     )
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
