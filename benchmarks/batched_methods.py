@@ -121,8 +121,7 @@ def main(argv=None) -> int:
                 row += [f"{flops[False] / 1e9:.2f}", f"{flops[True] / 1e9:.2f}"]
                 if not eps:
                     base = {b: ((seq, bat)[b], flops[b]) for b in (False, True)}
-                    row += ["", "", "", ""]
-                elif base:
+                if eps and base:  # a DP row after its method's non-DP row: both ratios per loop
                     for b in (False, True):
                         row += [f"{(seq, bat)[b] / base[b][0]:.1f}", f"{flops[b] / base[b][1]:.1f}"]
                 else:
