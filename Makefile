@@ -35,10 +35,10 @@ lint: setup
 	cd $(LINKTREE) && $(CURDIR)/$(BIN)/mypy -p raysim --ignore-missing-imports --follow-imports=silent --check-untyped-defs
 
 # lint (ruff, import contracts, mypy), the docs site, then the test suite on PYTEST_WORKERS processes
-# (pytest-xdist; every test that starts or joins Ray runs in one of them, on one shared cluster): what CI runs
+# (pytest-xdist; each runs its share of the tests that start or join Ray on one local cluster of its own): what CI runs
 PYTEST_WORKERS ?= 2
 test: setup lint docs
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup tests
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist load tests
 
 # the documentation site (docs/, mkdocs.yml); the reference pages are generated from the code
 docs: setup

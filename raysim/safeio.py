@@ -68,12 +68,22 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:160]}" if text else type(e).__name__
 
 
-def atomic_save(obj: Any, path: Path) -> None:
-    """Write `obj` to `path` (and its SHA-256 to `path.sha256`) through temporary names and renames."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+def serialize(obj: Any) -> bytes:
+    """`obj` as `torch.save` writes it (what `atomic_write` puts on disk and `load_checked` reads back)."""
     buf = io.BytesIO()
     torch.save(obj, buf)
-    data = buf.getbuffer()
+    return buf.getvalue()
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """Write `obj` to `path` (and its SHA-256 to `path.sha256`) through temporary names and renames."""
+    atomic_write(serialize(obj), path)
+
+
+def atomic_write(data: bytes, path: Path) -> None:
+    """Write the serialized `data` (`serialize`) to `path` and its SHA-256 to `path.sha256`, through
+    temporary names and renames: a reader sees the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tag = f".tmp{os.getpid()}"
     digest = path.with_name(path.name + DIGEST_SUFFIX)
     tmp, tmp_digest = path.with_name(f".{path.name}{tag}"), digest.with_name(f".{digest.name}{tag}")

@@ -50,7 +50,9 @@ class Backend(Protocol):
         them (raysim.engine.evaluation), in client order."""
 
     def commit(self, round_idx: int) -> None:
-        """Checkpoint the server's and every client's state as of the end of `round_idx`."""
+        """When it returns, the server's and every client's state as of the end of `round_idx` are on disk (the
+        hosts and the server write theirs at the end of the calls that change them: `ClientHost.commit`,
+        `ServerHost.aggregate`)."""
 
     def shutdown(self) -> None:
         """Release the hosts (and Ray, when this backend started it)."""
@@ -120,9 +122,8 @@ class InlineBackend:
         return sorted(rows, key=lambda r: r["client"])
 
     def commit(self, round_idx: int) -> None:
-        self.server.commit(round_idx)
-        for h in self.hosts:
-            h.commit(round_idx)
+        for h in self.hosts:  # nothing is left to write: each call that changed a client wrote it
+            assert not h.dirty, f"round {round_idx}: a host's clients changed outside its round calls"
 
     def shutdown(self) -> None:
         pass
@@ -162,6 +163,7 @@ class RayBackend:
         self.restarts = 0
         self.release_first = bool(get_method(cfg.method).release_first)
         self._round: dict[str, Any] = {}  # this round's inputs, kept until commit (to replay it on a new actor)
+        self._shared: Any = None  # the broadcast state's object (`_shared_ref`)
         devices = ray.get([h.device_info.remote() for h in self.hosts])
         self.info = {
             "backend": "ray",
@@ -223,25 +225,24 @@ class RayBackend:
     # -- the three calls of a round --------------------------------------------------------------
     def train_round(self, round_idx: int, participants: list[int]) -> tuple[list[ClientReport], dict[str, Any]]:
         self._round = {"round": round_idx, "done": []}
-        # one object in the store, read by every actor
-        shared_ref = self.ray.put(self._server_call(lambda: self.server.get_shared.remote(), aggregated=False))
+        shared_ref = self._shared_ref(aggregated=False)
         if self.stacked:
             stacked_uploads, flat = stacked_round(round_idx, participants, self.cfg.execution.stack_size, self.home,
                                                   shared_ref, self._calls, self.ray.get)
             check_round(self.cfg, round_idx, flat)
             self._round["uploads"] = stacked_uploads
-            return flat, self._server_call(lambda: self.server.aggregate.remote(round_idx, *self._round["uploads"]), aggregated=False)
+            return flat, self._aggregate(round_idx)
         chosen = set(participants)
         mine = {i: [c for c in g if c in chosen] for i, g in enumerate(self.groups)}
         mine = {i: m for i, m in mine.items() if m}
         reports, upload_refs = self._phase("release" if self.release_first else "train", round_idx, mine, shared_ref)
         check_round(self.cfg, round_idx, [r for i in sorted(reports) for r in reports[i]])
         self._round["uploads"] = [upload_refs[i] for i in sorted(upload_refs)]
-        stats = self._server_call(lambda: self.server.aggregate.remote(round_idx, *self._round["uploads"]), aggregated=False)
+        stats = self._aggregate(round_idx)
         flat = sorted((r for i in sorted(reports) for r in reports[i]), key=lambda r: r.client_id)
         if not self.release_first:
             return flat, stats
-        shared_ref = self.ray.put(self._server_call(lambda: self.server.get_shared.remote(), aggregated=True))
+        shared_ref = self._shared_ref(aggregated=True)
         released = {r.client_id for r in flat if not r.dropped}
         trainers = {i: [c for c in m if c in released] for i, m in mine.items()}
         trained, _ = self._phase("train", round_idx, {i: m for i, m in trainers.items() if m}, shared_ref)
@@ -269,6 +270,22 @@ class RayBackend:
         self._round["done"].append((name, calls, returns))
         return refs
 
+    def _shared_ref(self, *, aggregated: bool) -> Any:
+        """The broadcast state in the object store, one object every actor reads: the one the server's last
+        `aggregate_and_share` left there, else (a new or resumed run, a new server actor) asked for and put."""
+        if self._shared is None:
+            self._shared = self.ray.put(self._server_call(lambda: self.server.get_shared.remote(), aggregated=aggregated))
+        return self._shared
+
+    def _aggregate(self, round_idx: int) -> dict[str, Any]:
+        """The server's aggregate of this round's uploads (`_round["uploads"]`): its stats; the new broadcast
+        state stays in the object store for the next round (`_shared_ref`)."""
+        def call():
+            stats, self._shared = self.server.aggregate_and_share.options(num_returns=2).remote(round_idx, *self._round["uploads"])
+            return stats
+
+        return self._server_call(call, aggregated=False)
+
     def _server_call(self, call, *, aggregated: bool):
         """A server call; if the server actor died, a new one resumes from the last committed round, and
         (once the lost one had `aggregated` this round) re-aggregates this round's uploads, still in the
@@ -278,12 +295,13 @@ class RayBackend:
         except self.ray.exceptions.RayActorError as e:
             self._dead("the server actor", e)
             self.server = self._new_server(self._round["round"] - 1)
+            self._shared = None  # asked of the new server (what the lost one answered may be lost with its node)
             if aggregated:
                 self.ray.get(self.server.aggregate.remote(self._round["round"], *self._round["uploads"]))
             return self._server_call(call, aggregated=aggregated)
 
     def evaluate(self, clients: Optional[list[int]] = None) -> list[dict[str, Any]]:
-        shared_ref = self.ray.put(self._server_call(lambda: self.server.get_shared.remote(), aggregated=True))
+        shared_ref = self._shared_ref(aggregated=True)
         mine = host_clients(self.groups, clients)
         if self.global_eval:  # one model for all: every host scores a part of the rows, each client is scored from them
             parts = len(self.hosts)
@@ -304,15 +322,8 @@ class RayBackend:
         return sorted((row for i in rows for row in rows[i]), key=lambda r: r["client"])
 
     def commit(self, round_idx: int) -> None:
-        def submit(i: int):
-            return self.hosts[i].commit.remote(round_idx)
-
-        # the hosts and the server write at once; either order is safe to resume from: a host keeps its
-        # clients' version of the round before (prune_client), which is where a resume starts while the
-        # server has not committed this round
-        refs = {i: submit(i) for i in range(len(self.hosts))}
-        self._server_call(lambda: self.server.commit.remote(round_idx), aggregated=True)
-        self._get_each(refs, submit)
+        # no call: every host wrote its clients' state at the end of its last call of the round and the server its
+        # state in `aggregate`, all of which have returned (a replacement actor replays them, writing the same)
         self._round = {}
 
     def shutdown(self) -> None:

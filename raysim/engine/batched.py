@@ -191,12 +191,14 @@ def route_stacks(participants: Sequence[int], stack_size: int, home: Mapping[int
 class GuestState:
     """What a client's own host sends with it to the host that trains its stack: its private state, its
     privacy state (`HostPrivacy.snapshot`: calibration, ledger, one-shot releases) and the number of rounds
-    its DP calibration covers (its own host's participation count)."""
+    its DP calibration covers (its own host's participation count); and whether that state is its own host's
+    checkpoint on disk (then, if the stack leaves it unchanged, nothing needs to come back)."""
 
     client_id: int
     private: dict[str, Any]
     privacy: Any
     rounds: int
+    on_disk: bool = False
 
 
 @dataclass

@@ -31,6 +31,7 @@ from raysim.engine.client_round import ClientPolicy, ClientReport, ClientRound, 
 from raysim.errors import RaysimError, UploadViolation
 from raysim.methods import ClientData, Method, Upload
 from raysim.methods.base import ServerResult, broadcast_state, initial_private
+from raysim.safeio import serialize
 from raysim.sampling import generator, schedule
 from raysim.storage.store import StateStore
 
@@ -186,9 +187,10 @@ class ClientHost:
         from raysim.engine.batched import train_stack
 
         got = train_stack(self, round_idx, client_ids, shared) if stacked else None  # None: client by client
-        if got is not None:
-            return got
-        return self._each_client(round_idx, client_ids, shared, phase="train")
+        if got is None:
+            got = self._each_client(round_idx, client_ids, shared, phase="train")
+        self.commit(round_idx)
+        return got
 
     # -- a stacked round across hosts (raysim/engine/batched.py stacked_round) --------------------------------
     def export_guests(self, round_idx: int, by_trainer: dict[int, list[int]]) -> dict[int, list[GuestState]]:
@@ -198,18 +200,30 @@ class ClientHost:
         from raysim.engine.batched import GuestState
 
         return {t: [GuestState(cid, copy.deepcopy(self.private_state(cid)), self.privacy_snapshot(cid),
-                               self._rounds_for_calibration(cid)) for cid in sorted(cids)]
+                               self._rounds_for_calibration(cid), self._on_disk(cid)) for cid in sorted(cids)]
                 for t, cids in by_trainer.items()}
+
+    def _checkpoint(self, cid: int) -> dict[str, Any]:
+        """What `commit` writes of client `cid`."""
+        return {"private": self.private[cid], "privacy": self.privacy.state(cid).to_dict()}
+
+    def _on_disk(self, cid: int) -> bool:
+        """The client's state as it is now is its checkpoint on disk (written by this host, byte for byte)."""
+        return cid in self.private and cid in self.privacy.states and self.store.holds(cid, self._checkpoint(cid))
 
     def train_stacks(self, round_idx: int, stacks: list[list[int]], shared: dict[str, torch.Tensor],
                      guests: list[GuestState]) -> tuple[list[Upload], list[ClientReport], dict[str, Any]]:
         """Train the round's `stacks` this host leads (their first member is its own), with their members of
         other hosts, `guests`, held here for the call: (uploads, reports, {"back": a GuestResult per guest not
         to be redone, "redo": the guests whose stack fell back, to train client by client on their own
-        hosts}). Nothing of a guest stays here, nor is checkpointed here."""
+        hosts}). Nothing of a guest stays here, nor is checkpointed here. A guest whose private and privacy
+        state left the stack byte for byte as they came, and came as its own host's checkpoint on disk
+        (PromptFL without DP after a client's first round: no private state, no ledger), is not sent back: its
+        own host would have nothing to settle or write (one call less a round on Ray)."""
         from raysim.engine.batched import GuestResult, train_stacks
 
         shared = {k: v.to(self.device) for k, v in shared.items()}
+        came = {g.client_id: serialize((g.private, g.privacy)) for g in guests if g.on_disk}
         for g in guests:
             if g.client_id in self.data:
                 raise RaysimError(f"client {g.client_id} lives on this host; it cannot be its guest")
@@ -221,12 +235,14 @@ class ClientHost:
             again = set(redo)
             back = [GuestResult(cid, self.private[cid], self.privacy_snapshot(cid), cid in self.dirty)
                     for cid in sorted(self.guests) if cid not in again]
+            back = [g for g in back if came.get(g.client_id) != serialize((g.private, g.privacy))]
         finally:
             for cid in list(self.guests):
                 self.private.pop(cid, None)
                 self.privacy.restore(cid, None)
                 self.dirty.discard(cid)
             self.guests.clear()
+        self.commit(round_idx)
         return uploads, reports, {"back": back, "redo": sorted(redo)}
 
     def settle_guests(self, round_idx: int, back: list[GuestResult], redo: list[int],
@@ -241,10 +257,12 @@ class ClientHost:
             self.privacy.restore(g.client_id, g.privacy)
             if g.changed:
                 self.dirty.add(g.client_id)
-        if not redo:
-            return [], []
-        shared = {k: v.to(self.device) for k, v in shared.items()}
-        return self._each_client(round_idx, redo, shared, phase="train")
+        got: tuple[list[Upload], list[ClientReport]] = ([], [])
+        if redo:
+            shared = {k: v.to(self.device) for k, v in shared.items()}
+            got = self._each_client(round_idx, redo, shared, phase="train")
+        self.commit(round_idx)
+        return got
 
     def local_step(self, phase: Phase, round_idx: int, shared: dict[str, torch.Tensor]) -> Any:
         """The client-by-client step of `phase` for a ClientRound: step(cid, privacy) -> the method's LocalResult,
@@ -266,7 +284,9 @@ class ClientHost:
         if not self.method.release_first:
             raise RaysimError(f"{self.method.name} does not release first (release_first is False): its uploads come from train")
         shared = {k: v.to(self.device) for k, v in shared.items()}
-        return self._each_client(round_idx, client_ids, shared, phase="release")
+        got = self._each_client(round_idx, client_ids, shared, phase="release")
+        self.commit(round_idx)
+        return got
 
     def _each_client(self, round_idx: int, client_ids: list[int], shared: dict[str, torch.Tensor], *,
                      phase: Phase) -> tuple[list[Upload], list[ClientReport]]:
@@ -312,10 +332,14 @@ class ClientHost:
 
     def commit(self, round_idx: int) -> None:
         """Write the private state of every client that changed this round, then drop stale versions (only
-        this host's own clients: a guest's state went back to its own host)."""
+        this host's own clients: a guest's state went back to its own host). Every call that changes a client's
+        state (`train`, `release`, `train_stacks`, `settle_guests`) ends with it, so a round's client checkpoints
+        are on disk when the host's last call of the round returns, with no call of its own (one round trip
+        less a round on Ray). Writing before the round is complete is safe: a resume reads the versions up to
+        the last completed round (state/progress.json) and ignores newer ones."""
         assert not self.guests, "guests are held only during train_stacks"
         for cid in sorted(self.dirty):
-            self.store.save_client(cid, round_idx, {"private": self.private[cid], "privacy": self.privacy.state(cid).to_dict()})
+            self.store.save_client(cid, round_idx, self._checkpoint(cid))
             self.store.prune_client(cid, round_idx - 1)
         self.dirty.clear()
 
@@ -378,6 +402,19 @@ class ServerHost:
         return broadcast_state(self.method, self.state)
 
     def aggregate(self, round_idx: int, *upload_lists: list[Upload]) -> dict[str, Any]:
+        """Aggregate the round's uploads (every host's list) in client-id order into the new state, and write
+        it (`commit`: nothing changes the server's state after its round's aggregate, and a resume ignores a
+        version newer than the last completed round). The round's stats: bytes up and down, server metrics."""
+        stats = self._aggregate(round_idx, *upload_lists)
+        self.commit(round_idx)
+        return stats
+
+    def aggregate_and_share(self, round_idx: int, *upload_lists: list[Upload]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """`aggregate`, and the new broadcast state (what `get_shared` would answer next): the Ray backend keeps
+        it in the object store for the next round's hosts, one server call a round less."""
+        return self.aggregate(round_idx, *upload_lists), self.get_shared()
+
+    def _aggregate(self, round_idx: int, *upload_lists: list[Upload]) -> dict[str, Any]:
         uploads = sorted((u for lst in upload_lists for u in lst), key=lambda u: u.client_id)
         for u in uploads:
             check_upload(self.method, u.client_id, u.tensors)

@@ -3,6 +3,7 @@
 Layout under `out_dir/state/`:
   server/<round>.pt            global shared state after that round
   clients/<cid>/<round>.pt     a client's private state (and privacy ledger) after a round it changed in
+                               (an identical state is not written again: the latest version up to a round is its state)
   progress.json                {"completed_round": r}: written last, once every piece of round r is on disk
 
 With `record_uploads=true`, `out_dir/uploads/<round>.pt` also holds what the server saw in a round (an
@@ -27,6 +28,7 @@ lock dies with its process, so a lock file left by a killed run is taken over.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -37,7 +39,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from raysim.errors import CheckpointError, RunFolderLocked
-from raysim.safeio import DIGEST_SUFFIX, SAFE_NUMPY, _reason, atomic_save, load_checked, read_regular, safe_load  # noqa: F401 (re-exported)
+from raysim.safeio import DIGEST_SUFFIX, SAFE_NUMPY, _reason, atomic_save, atomic_write, load_checked, read_regular, safe_load, serialize  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,9 @@ class StateStore:
     def __init__(self, out_dir: str | Path, *, keep_all_clients: bool = False) -> None:
         self.root = Path(out_dir) / "state"
         self.keep_all_clients = keep_all_clients
+        # per client, the SHA-256 of the version this store last wrote (save_client skips an identical one); a new
+        # store (a resumed run, a replaced actor) writes each client's first version again
+        self._written: dict[int, bytes] = {}
 
     # -- progress ---------------------------------------------------------------------------
     def completed_round(self) -> int:
@@ -95,9 +100,22 @@ class StateStore:
         return self._load_latest(self.root / "server", upto_round)
 
     # -- clients ----------------------------------------------------------------------------
-    def save_client(self, client_id: int, round_idx: int, state: dict) -> None:
-        folder = self.root / "clients" / str(client_id)
-        atomic_save(state, folder / f"{round_idx:05d}.pt")
+    def save_client(self, client_id: int, round_idx: int, state: dict) -> bool:
+        """Write the client's state after `round_idx`; False (nothing written) when it is byte for byte the version
+        this store last wrote for the client, which a resume from `round_idx` or later loads anyway (the latest
+        version up to that round). A stateless method's clients (PromptFL without DP: no private state, no
+        ledger) are then written once. Every round's version is written when the store keeps them all."""
+        data = serialize(state)
+        digest = hashlib.sha256(data).digest()
+        if not self.keep_all_clients and self._written.get(client_id) == digest:
+            return False
+        atomic_write(data, self.root / "clients" / str(client_id) / f"{round_idx:05d}.pt")
+        self._written[client_id] = digest
+        return True
+
+    def holds(self, client_id: int, state: dict) -> bool:
+        """Whether `save_client` would skip `state`: it is byte for byte the client's version this store last wrote."""
+        return not self.keep_all_clients and self._written.get(client_id) == hashlib.sha256(serialize(state)).digest()
 
     def load_client(self, client_id: int, upto_round: int) -> Optional[dict]:
         return self._load_latest(self.root / "clients" / str(client_id), upto_round)

@@ -120,12 +120,16 @@ def _two_hosts(tmp_path, cache_dir, *, policy="drop"):
 
 def test_guests_are_settled_on_their_own_host(tmp_path, cache_dir):
     """Host 0 trains the stack [0, 1, 2, 3]; clients 1 and 3 (host 1) come back to host 1, which alone
-    marks them for its checkpoint; host 0 keeps nothing of them."""
+    writes their checkpoint (at the end of its settling call); host 0 keeps nothing of them."""
     b = _two_hosts(tmp_path, cache_dir)
+    written = {0: [], 1: []}
+    for i, h in enumerate(b.hosts):
+        save = h.store.save_client
+        h.store.save_client = lambda cid, r, state, _save=save, _i=i: (written[_i].append((cid, r)), _save(cid, r, state))[1]
     reports, _ = b.train_round(0, [0, 1, 2, 3])
     assert [r.client_id for r in reports] == [0, 1, 2, 3] and not any(r.dropped for r in reports)
     h0, h1 = b.hosts
-    assert h0.dirty == {0, 2} and h1.dirty == {1, 3}
+    assert written == {0: [(0, 0), (2, 0)], 1: [(1, 0), (3, 0)]} and not h0.dirty and not h1.dirty
     assert set(h0.private) == {0, 2} and set(h0.privacy.states) == {0, 2} and not h0.guests
     assert all(h1.privacy.state(c).ledger is not None for c in (1, 3))  # the guests' ledgers, back home
     assert reports[1].epsilon == h1.epsilon(1) > 0
@@ -156,7 +160,8 @@ def test_a_raising_stack_goes_client_by_client_on_each_clients_own_host(tmp_path
     assert [(r.client_id, r.dropped) for r in reports] == [(c, False) for c in range(4)]
     for r, want in zip(reports, ref_reports):
         assert r.loss == pytest.approx(want.loss, abs=1e-5)  # client by client vs stacked: float reassociation
-    assert b.hosts[0].dirty == {0, 2} and b.hosts[1].dirty == {1, 3}
+    for c in range(4):  # each client's round-0 state written by its own host at the end of its call; nothing left over
+        assert b.hosts[c % 2].store.client_rounds(c) == [0] and not b.hosts[c % 2].dirty
 
 
 @pytest.mark.parametrize("method", ["promptfl", "dpfpl", "fedpgp", "fedsept"])

@@ -61,8 +61,9 @@ def test_dead_actors_are_replaced_with_identical_results(tmp_path, cache_dir, ra
             ray_session.kill(b.hosts[0], no_restart=True)
         if (r, stage) == (1, "trained"):  # after training, before evaluation: its round is replayed
             ray_session.kill(b.hosts[1], no_restart=True)
-        if (r, stage) == (2, "trained"):  # the server, after aggregating: a new one re-aggregates
-            ray_session.kill(b.server, no_restart=True)
+        if (r, stage) == (1, "trained"):  # the server, after aggregating (and writing) round 1: the evaluation and
+            ray_session.kill(b.server, no_restart=True)  # round 2's hosts read the broadcast state it left in the
+            # object store; round 2's aggregate finds it dead, and a new server, from round 1's state, aggregates
 
     got, private, restarts = _rounds(tiny_config(tmp_path / "faulty", cache_dir, **opts), kill)
     assert restarts == 3
@@ -110,7 +111,7 @@ def tiny_vit(tmp_path_factory) -> str:
 def test_dead_actors_mid_round_of_a_release_first_method_leave_results_unchanged(tmp_path, cache_dir, tiny_vit, ray_session):
     """vpdr_fedproto under VPDR (release, aggregate, then train: SPEC 3.4): a client actor killed between its
     release and its training is replaced, replays the release and trains; one killed after training
-    replays both phases before evaluation; a server killed after aggregating re-aggregates the releases.
+    replays both phases before evaluation; a server killed after aggregating is replaced at its next call.
     Every report, server stat, evaluation row and final private state equals the uninterrupted run's."""
     opts = dict(method="vpdr_fedproto", data={"dataset": "digits4", "partition": "domain", "shots": 0},
                 train={"num_clients": 4, "rounds": 2, "batch_size": 64, "local_epochs": 1},
@@ -126,8 +127,9 @@ def test_dead_actors_mid_round_of_a_release_first_method_leave_results_unchanged
             ray_session.kill(b.hosts[1], no_restart=True)
         if (r, stage) == (0, "committed"):  # between rounds
             ray_session.kill(b.hosts[0], no_restart=True)
-        if (r, stage) == (1, "train"):  # the server, after aggregating the releases: a new one re-aggregates them
-            ray_session.kill(b.server, no_restart=True)
+        if (r, stage) == (0, "train"):  # the server, after aggregating round 0's releases: round 1's release is
+            ray_session.kill(b.server, no_restart=True)  # sent the broadcast state it left in the object store, and
+            # the aggregate of round 1's releases finds it dead: a new server, from round 0's state, aggregates them
 
     got, private, restarts = _rounds(tiny_config(tmp_path / "faulty", cache_dir, **opts), kill)
     assert restarts == 4  # each kill found and handled

@@ -109,16 +109,21 @@ def test_a_failed_start_leaves_no_folder_and_no_lock(tmp_path, cache_dir):
 # -- damaged and malicious checkpoints -------------------------------------------------------
 
 
+# under DP every participant's ledger changes each round, so each round has its own client checkpoints (without DP a
+# PromptFL client's state never changes and is written once: test_an_unchanged_client_state_is_written_once)
+DAMAGED = {"train": {"rounds": 3}, "dp": {"epsilon": 8.0}}
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, cache_dir):
     """An uninterrupted 3-round run: what every resume below must reproduce."""
     tmp = tmp_path_factory.mktemp("reference")
-    out = run(tiny_config(tmp, cache_dir, train={"rounds": 3})).out_dir
+    out = run(tiny_config(tmp, cache_dir, **DAMAGED)).out_dir
     return rows(out / "results.csv"), rows(out / "client_results.csv")
 
 
 def test_a_truncated_checkpoint_is_named_and_the_resume_falls_back_to_the_last_good_round(tmp_path, cache_dir, reference, caplog):
-    out = run(tiny_config(tmp_path, cache_dir, train={"rounds": 3})).out_dir
+    out = run(tiny_config(tmp_path, cache_dir, **DAMAGED)).out_dir
     store = StateStore(out)
     assert store.completed_round() == 2 and store.damaged(2) == []
     cut = out / "state" / "clients" / "1" / "00002.pt"
@@ -131,7 +136,7 @@ def test_a_truncated_checkpoint_is_named_and_the_resume_falls_back_to_the_last_g
 
 
 def test_a_flipped_byte_is_caught_by_the_digest(tmp_path, cache_dir, reference, caplog):
-    out = run(tiny_config(tmp_path, cache_dir, train={"rounds": 3})).out_dir
+    out = run(tiny_config(tmp_path, cache_dir, **DAMAGED)).out_dir
     f = out / "state" / "server" / "00002.pt"
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0xFF  # inside the tensor data: the zip archive still opens, the numbers are wrong
@@ -142,6 +147,27 @@ def test_a_flipped_byte_is_caught_by_the_digest(tmp_path, cache_dir, reference, 
         res = run(resume_config(out))
     assert str(f) in caplog.text and "last good round is 1" in caplog.text
     assert rows(res.out_dir / "results.csv") == reference[0]
+
+
+def test_an_unchanged_client_state_is_written_once(tmp_path, cache_dir):
+    """A client checkpoint identical to the client's last written version is not written again (a resume loads the
+    latest version up to its round, the same state); a changed one is, each round, and every round's with
+    keep_client_states=all. The results are the same either way."""
+    def versions(out: Path, cid: int) -> list[str]:
+        return sorted(p.name for p in (out / "state" / "clients" / str(cid)).glob("*.pt"))
+
+    plain = run(tiny_config(tmp_path / "plain", cache_dir, train={"rounds": 3})).out_dir  # PromptFL, no DP: nothing changes
+    kept = run(tiny_config(tmp_path / "kept", cache_dir, train={"rounds": 3}, output={"keep_client_states": "all"})).out_dir
+    noisy = run(tiny_config(tmp_path / "noisy", cache_dir, **DAMAGED)).out_dir  # the ledger grows each round
+    for cid in range(4):  # participation 1: every client takes part in rounds 0, 1, 2
+        assert versions(plain, cid) == ["00000.pt"]
+        assert versions(kept, cid) == ["00000.pt", "00001.pt", "00002.pt"]
+        assert versions(noisy, cid) == ["00001.pt", "00002.pt"]  # round 0's pruned: a resume needs rounds 1 and 2 only
+        assert StateStore(plain).load_client(cid, 2) == StateStore(kept).load_client(cid, 2)
+    assert rows(plain / "results.csv") == rows(kept / "results.csv")
+    assert rows(plain / "client_results.csv") == rows(kept / "client_results.csv")
+    res = run(resume_config(plain, {"train": {"rounds": 4}}))  # a resume starts from the one version and writes it again once
+    assert versions(res.out_dir, 0) == ["00000.pt", "00003.pt"]
 
 
 def test_without_an_intact_round_the_resume_exits_2_naming_the_file(tmp_path, cache_dir):

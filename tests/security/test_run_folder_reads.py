@@ -30,9 +30,10 @@ def _cap_memory() -> None:
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, cache_dir):
-    """A finished 2-round run, copied afresh for each test that damages it."""
+    """A finished 2-round run, copied afresh for each test that damages it (keeping every round's client states:
+    a PromptFL client's unchanged state is otherwise written once, and the tests damage round 1's)."""
     tmp = tmp_path_factory.mktemp("finished")
-    return run(tiny_config(tmp, cache_dir, train={"rounds": 2})).out_dir
+    return run(tiny_config(tmp, cache_dir, train={"rounds": 2}, output={"keep_client_states": "all"})).out_dir
 
 
 @pytest.fixture
