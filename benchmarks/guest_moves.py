@@ -18,7 +18,8 @@ about (H-1)/H of a stack's members are guests). The first round (warm-up) is lef
 It reports, per timed round and per guest (medians over the rounds):
 
 - export: `ClientHost.export_guests` (a deep copy of the private state, the privacy snapshot);
-- settle: `ClientHost.settle_guests` (putting the results back);
+- settle: `ClientHost.settle_guests` (putting the results back), without the checkpoint writes that end the call
+  (`ClientHost.commit`; likewise taken out of `train_stacks` below);
 - the host-side install and pack-up inside `train_stacks`: its wall time minus the stack's own training,
   `raysim.engine.batched.train_stacks`;
 - serialise: pickle.dumps + pickle.loads of the exported and the returned guests (what crossing to a Ray
@@ -68,16 +69,28 @@ def measure(clients: int, per_round: int, rounds: int, hosts: int, dp: float, ca
     cfg = build_config(merge_config(values, extra))
 
     per_round_log: list[dict] = []
+    active: list[str] = []  # the timed calls running now, innermost last
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
+            active.append(name)
             t0 = time.perf_counter()
-            out = fn(*args, **kwargs)
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                active.pop()
             per_round_log[-1][name] += time.perf_counter() - t0
             return out
         return wrapper
 
+    def commit(self, round_idx):  # the checkpoint writes that end a host's calls are not moves: taken out of them
+        t0 = time.perf_counter()
+        orig_commit(self, round_idx)
+        if active and per_round_log:
+            per_round_log[-1][active[-1]] -= time.perf_counter() - t0
+
     orig_export, orig_train, orig_settle = ClientHost.export_guests, ClientHost.train_stacks, ClientHost.settle_guests
+    orig_commit = ClientHost.commit
     orig_stacks = batched.train_stacks
 
     def export(self, round_idx, by_trainer):
@@ -103,6 +116,7 @@ def measure(clients: int, per_round: int, rounds: int, hosts: int, dp: float, ca
         return out
 
     ClientHost.export_guests = export  # type: ignore[method-assign]
+    ClientHost.commit = commit  # type: ignore[method-assign]
     ClientHost.train_stacks = train_stacks  # type: ignore[method-assign]
     ClientHost.settle_guests = lambda self, *a: timed("settle", orig_settle)(self, *a)  # type: ignore[method-assign]
     batched.train_stacks = lambda *a: timed("stack_training", orig_stacks)(*a)
@@ -112,6 +126,7 @@ def measure(clients: int, per_round: int, rounds: int, hosts: int, dp: float, ca
         total = time.perf_counter() - t0
     finally:
         ClientHost.export_guests, ClientHost.train_stacks, ClientHost.settle_guests = orig_export, orig_train, orig_settle
+        ClientHost.commit = orig_commit  # type: ignore[method-assign]
         batched.train_stacks = orig_stacks
     seconds = {row["round"]: row["seconds"] for row in res.rounds}
     timed_rounds = [r for r in per_round_log if r["round"] > 0 and r["guests"]]
