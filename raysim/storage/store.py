@@ -107,7 +107,7 @@ class StateStore:
         ledger) are then written once. Every round's version is written when the store keeps them all."""
         data = serialize(state)
         digest = hashlib.sha256(data).digest()
-        if not self.keep_all_clients and self._written.get(client_id) == digest:
+        if self._last_written(client_id, digest):
             return False
         atomic_write(data, self.root / "clients" / str(client_id) / f"{round_idx:05d}.pt")
         self._written[client_id] = digest
@@ -115,7 +115,11 @@ class StateStore:
 
     def holds(self, client_id: int, state: dict) -> bool:
         """Whether `save_client` would skip `state`: it is byte for byte the client's version this store last wrote."""
-        return not self.keep_all_clients and self._written.get(client_id) == hashlib.sha256(serialize(state)).digest()
+        return self._last_written(client_id, hashlib.sha256(serialize(state)).digest())
+
+    def _last_written(self, client_id: int, digest: bytes) -> bool:
+        """`digest` is that of the client's version this store last wrote (never, when it keeps every round's)."""
+        return not self.keep_all_clients and self._written.get(client_id) == digest
 
     def load_client(self, client_id: int, upto_round: int) -> Optional[dict]:
         return self._load_latest(self.root / "clients" / str(client_id), upto_round)
