@@ -3,6 +3,7 @@
     python benchmarks/mutation/mutation.py prepare   # build/mutation: the tree mutmut mutates
     python benchmarks/mutation/mutation.py report    # per-file counts and the score, from `mutmut results`
     python benchmarks/mutation/mutation.py triage    # the survivors by kind, and the open ones by function
+    python benchmarks/mutation/mutation.py diffs     # each open survivor's changed line, before and after
 
 mutmut copies its `source_paths` into mutants/ and puts mutants/ first on sys.path, so that the tests import the
 mutated copy. The repository maps methods/, privacy/ and attacks/ into the raysim package through pyproject's
@@ -164,8 +165,9 @@ def kind_of(orig: str, mutant: str) -> str:
     return "open"
 
 
-def triage(tree: Path = TREE) -> tuple[dict[str, int], dict[str, list[str]]]:
-    """(count per kind, {function: [open mutants' changed lines]}) over the surviving mutants in scope."""
+def triage(tree: Path = TREE) -> tuple[dict[str, int], dict[str, list[tuple[str, str, str]]]]:
+    """(count per kind, {function: [(mutant, line before, line after) of each open mutant]}) over the surviving
+    mutants in scope."""
     import ast
 
     sources: dict[str, dict[str, str]] = {}
@@ -186,9 +188,9 @@ def triage(tree: Path = TREE) -> tuple[dict[str, int], dict[str, list[str]]]:
         kind = kind_of(orig, mutant)
         counts[kind] += 1
         if kind == "open":
-            _, b = _changed(orig, mutant)
+            a, b = _changed(orig, mutant)
             bare = func.split("__mutmut_")[0].removeprefix("xǁ").removeprefix("x_").replace("ǁ", ".")
-            open_[f"{module}.{bare}"].append(b)
+            open_[f"{module}.{bare}"].append((name, a, b))
     return dict(counts), dict(open_)
 
 
@@ -204,9 +206,20 @@ def triage_report(tree: Path = TREE) -> str:
     return "\n".join(lines)
 
 
+def diffs_report(tree: Path = TREE) -> str:
+    """Every open survivor: its name, and its changed line before (-) and after (+)."""
+    _, open_ = triage(tree)
+    lines = []
+    for func in sorted(open_):
+        lines.append(f"## {func}")
+        for name, a, b in open_[func]:
+            lines += [f"{name}", f"  - {a}", f"  + {b}"]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["prepare", "report", "triage"])
+    parser.add_argument("command", choices=["prepare", "report", "triage", "diffs"])
     parser.add_argument("--tree", type=Path, default=TREE)
     parser.add_argument("--results", type=Path, help="a saved `mutmut results --all true` listing (default: ask mutmut)")
     args = parser.parse_args()
@@ -216,8 +229,10 @@ def main() -> None:
         print(prepare(args.tree))
     elif args.command == "report":
         print(report(args.tree))
-    else:
+    elif args.command == "triage":
         print(triage_report(args.tree))
+    else:
+        print(diffs_report(args.tree))
 
 
 if __name__ == "__main__":
