@@ -4,6 +4,7 @@
     python benchmarks/mutation/mutation.py report    # per-file counts and the score, from `mutmut results`
     python benchmarks/mutation/mutation.py triage    # the survivors by kind, and the open ones by function
     python benchmarks/mutation/mutation.py diffs     # each open survivor's changed line, before and after
+    python benchmarks/mutation/mutation.py kill MUTANT... --test tests/x.py::test_y   # does a new test kill them?
 
 mutmut copies its `source_paths` into mutants/ and puts mutants/ first on sys.path, so that the tests import the
 mutated copy. The repository maps methods/, privacy/ and attacks/ into the raysim package through pyproject's
@@ -129,9 +130,30 @@ KINDS = {
     "device": "a device= / dtype= argument dropped or set to None, or .to(None): the same tensor on the CPU in float32 "
               "/ float64, where these tests run (the GPU paths are timed by benchmarks/gpu_paths.py)",
     "default": "a keyword default changes that every caller in the package overrides",
-    "symmetric": "the sign of zero-mean symmetric noise (t - noise, -E for an exponential difference): the same "
+    "symmetric": "the sign of zero-mean symmetric noise (t - noise, -E for an exponential difference, c - N(0, s^2)): the same "
                  "distribution, so the same privacy and the same expected result",
 }
+
+
+NEUTRAL = Path(__file__).with_name("neutral.toml")  # survivors judged behaviour-neutral by hand, with the reason
+
+
+def _norm(line: str) -> str:
+    return " ".join(line.split())
+
+
+@functools.lru_cache(maxsize=None)
+def judged(path: Path = NEUTRAL) -> dict[tuple[str, str], str]:
+    """{(function, mutated line): why} from neutral.toml. A mutant is matched by its function and the text of its
+    changed line, not by its number (mutmut renumbers when a function changes); when the code of that line changes,
+    the entry stops matching and the mutant is open again, to be judged anew."""
+    import tomllib
+
+    out = {}
+    for entry in tomllib.loads(path.read_text("utf-8")).get("neutral", []):
+        for line in entry["lines"]:
+            out[(entry["function"], _norm(line))] = entry["why"]
+    return out
 
 
 def _changed(orig: str, mutant: str) -> tuple[str, str]:
@@ -151,16 +173,23 @@ def kind_of(orig: str, mutant: str) -> str:
 
     a, b = _changed(orig, mutant)
     strip = re.compile(r"(f?\"[^\"]*\"|f?'[^']*'|None)")
+
+    def masked(line: str) -> str:  # every string literal (adjacent ones concatenated) and None as one S
+        return re.sub(r"S(\s+S)+", "S", strip.sub("S", line))
+
     if a.startswith(("raise ", "assert ")) or "raise " in a or " assert " in f" {a}":
-        if strip.sub("S", a) == strip.sub("S", b) or re.sub(r",\s*(f?\"[^\"]*\"|f?'[^']*')\s*$", "", a) == b:
+        if masked(a) == masked(b) or re.sub(r",\s*(f?\"[^\"]*\"|f?'[^']*')\s*$", "", a) == b:
             return "message"
+    if a and masked(a) == "S" and masked(b) == "S":  # a line of string literals only: a message continued
+        return "message"
     if re.search(r"(device|dtype)=", a) or ".to(" in a:
         if re.sub(r"(device|dtype)=[^,()]+|\.to\([^()]*\)", "", a).replace(" ", "").replace(",", "") == \
                 re.sub(r"(device|dtype)=[^,()]+|\.to\([^()]*\)", "", b).replace(" ", "").replace(",", ""):
             return "device"
     if a.startswith("def ") and b.startswith("def "):
         return "default"
-    if re.sub(r"\s", "", a).replace("-", "+") == re.sub(r"\s", "", b).replace("-", "+") and ("noise" in a or "log1p" in a):
+    noisy = "noise" in a or "log1p" in a or "_randn(" in a
+    if re.sub(r"\s", "", a).replace("-", "+") == re.sub(r"\s", "", b).replace("-", "+") and noisy:
         return "symmetric"
     return "open"
 
@@ -186,10 +215,12 @@ def triage(tree: Path = TREE) -> tuple[dict[str, int], dict[str, list[tuple[str,
         orig = sources[module].get(orig_name, "")
         mutant = sources[module].get(func, "").replace(func, orig_name, 1)  # the def line names the mutant
         kind = kind_of(orig, mutant)
+        a, b = _changed(orig, mutant)
+        bare = func.split("__mutmut_")[0].removeprefix("xǁ").removeprefix("x_").replace("ǁ", ".")
+        if kind == "open" and (f"{module}.{bare}", _norm(b)) in judged():
+            kind = "judged"
         counts[kind] += 1
         if kind == "open":
-            a, b = _changed(orig, mutant)
-            bare = func.split("__mutmut_")[0].removeprefix("xǁ").removeprefix("x_").replace("ǁ", ".")
             open_[f"{module}.{bare}"].append((name, a, b))
     return dict(counts), dict(open_)
 
@@ -199,6 +230,8 @@ def triage_report(tree: Path = TREE) -> str:
     lines = ["| kind | survivors | why it cannot change a result |", "|---|---|---|"]
     for kind, why in KINDS.items():
         lines.append(f"| {kind} | {counts.get(kind, 0)} | {why} |")
+    lines.append(f"| judged | {counts.get('judged', 0)} | judged behaviour-neutral by hand: each line and its reason in "
+                 f"benchmarks/mutation/neutral.toml |")
     lines.append(f"| open | {counts.get('open', 0)} | a test could kill it: listed below by function |")
     lines.append("")
     for func in sorted(open_, key=lambda f: -len(open_[f])):
@@ -217,9 +250,34 @@ def diffs_report(tree: Path = TREE) -> str:
     return "\n".join(lines)
 
 
+def kill(mutants: list[str], tests: list[str], tree: Path = TREE, timeout: float = 120.0) -> dict[str, str]:
+    """{mutant: "killed" | "survived" | "timeout"}: `tests` (pytest ids, repository paths) run once per mutant
+    against the mutated files of the last `mutmut run` in `tree`, as mutmut runs them (in mutants/, with
+    MUTANT_UNDER_TEST naming the mutant). The repository's tests/ is copied over the tree's first, so a test
+    written after the run is the one checked; the mutated source files are the run's."""
+    work = tree / "mutants"
+    if not work.is_dir():
+        raise SystemExit(f"no mutated tree in {work}: run `make mutation` (or `mutation.py prepare` and mutmut) first")
+    shutil.copytree(ROOT / "tests", work / "tests", ignore=IGNORE, dirs_exist_ok=True)
+    env = {**__import__("os").environ, "RAYSIM_TESTS_WITHOUT_RAY": "1", "HF_HUB_OFFLINE": "1"}
+    out = {}
+    for name in mutants:
+        try:
+            done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p",
+                                   "no:randomly", *tests], cwd=work, env={**env, "MUTANT_UNDER_TEST": name},
+                                  capture_output=True, text=True, timeout=timeout)
+            out[name] = "survived" if done.returncode == 0 else "killed" if done.returncode == 1 else \
+                f"error (pytest exit {done.returncode}: {done.stdout.strip().splitlines()[-1:]})"
+        except subprocess.TimeoutExpired:
+            out[name] = "timeout"
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["prepare", "report", "triage", "diffs"])
+    parser.add_argument("command", choices=["prepare", "report", "triage", "diffs", "kill"])
+    parser.add_argument("mutants", nargs="*", help="kill: the mutants' names (as `mutmut results` lists them)")
+    parser.add_argument("--test", action="append", default=[], help="kill: a pytest id to run (repeatable)")
     parser.add_argument("--tree", type=Path, default=TREE)
     parser.add_argument("--results", type=Path, help="a saved `mutmut results --all true` listing (default: ask mutmut)")
     args = parser.parse_args()
@@ -229,6 +287,14 @@ def main() -> None:
         print(prepare(args.tree))
     elif args.command == "report":
         print(report(args.tree))
+    elif args.command == "kill":
+        if not args.mutants or not args.test:
+            parser.error("kill needs mutant names and at least one --test")
+        status = kill(args.mutants, args.test, args.tree)
+        for name, state in status.items():
+            print(f"{name}: {state}")
+        if any(state != "killed" for state in status.values()):
+            raise SystemExit(1)
     elif args.command == "triage":
         print(triage_report(args.tree))
     else:

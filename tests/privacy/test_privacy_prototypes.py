@@ -14,7 +14,7 @@ from raysim.privacy import (
     vpp_release,
     vpp_sigmas,
 )
-from raysim.privacy.prototypes import laplace_noise, topk_laplace_scale
+from raysim.privacy.prototypes import l2_clip, laplace_noise, topk_laplace_scale
 
 
 def _gen(seed=0):
@@ -145,3 +145,65 @@ def test_clean_centres_are_the_unclipped_cluster_means_class_by_class():
     assert torch.equal(clean_centres(x, labels, ids), want)
     with pytest.raises(ValueError, match=r"labels must have shape \(6,\)"):
         clean_centres(x, labels[:4], ids)  # one label per feature row
+
+
+# ---- from the mutation run's survivors (docs/testing.md, "Mutation testing"): each test below fails on a named mutant
+
+
+def test_l2_clip_scales_each_row_on_its_own_norm_and_never_scales_up():
+    z = torch.tensor([[3.0, 4.0], [0.3, 0.4], [0.06, 0.08]])  # norms 5, 0.5 (below 1) and 0.1 (inside R)
+    out = l2_clip(z, 0.2)
+    # float32 products of short decimals: 1e-6 is a few ulps at these magnitudes
+    torch.testing.assert_close(out, torch.tensor([[0.12, 0.16], [0.12, 0.16], [0.06, 0.08]]), rtol=0, atol=1e-6)
+
+
+def test_igpp_noises_a_multiplier_below_one_and_refuses_a_zero_clip():
+    d, n = 4000, 50
+    z = torch.randn(n, d, generator=_gen(6))
+    y = torch.zeros(n, dtype=torch.long)
+    clean = igpp_release(z, y, clip=1.0, sigma=0.0, generator=_gen())
+    noisy = igpp_release(z, y, clip=1.0, sigma=0.5, generator=_gen(7))
+    # 4,000 coordinates: the sample std of N(0, s^2) is within 5 % of s with overwhelming probability
+    assert (noisy[0] - clean[0]).std().item() == pytest.approx(0.5 * 2 / n, rel=0.05)
+    with pytest.raises(ConfigError, match="clip must be > 0, got 0"):
+        igpp_release(z, y, clip=0.0, sigma=1.0, generator=_gen())
+
+
+def test_releases_without_a_generator_draw_from_torchs_global_generator():
+    d, n = 2000, 20
+    z = torch.randn(n, d, generator=_gen(21))
+    y = torch.tensor([0] * 10 + [1] * 10)
+    clean = igpp_release(z, y, clip=1.0, sigma=0.0, generator=None)
+    torch.manual_seed(5)
+    first = igpp_release(z, y, clip=1.0, sigma=2.0, generator=None)
+    torch.manual_seed(5)
+    again = igpp_release(z, y, clip=1.0, sigma=2.0, generator=None)
+    torch.testing.assert_close(first[1], again[1])  # same global seed, same draws
+    assert (first[1] - clean[1]).std().item() == pytest.approx(2.0 * 2 / 10, rel=0.08)  # 2,000 coordinates
+    out = vpp_release(z, y, R=5.0, rho=0.3, H=0.1, epsilon=1.0, rounds=20, delta=1e-5, generator=None)
+    assert torch.isfinite(out["prototypes"][0]).all() and len(out["idx_A"]) == 600
+
+
+def test_a_discriminative_dimension_scores_highest_when_most_dimensions_carry_no_class_signal():
+    # dimensions 0 and 1 are constant (between- and within-class variance 0: the median V_ter is 0, so zeta is its
+    # 1e-15 floor); dimension 2 is the label itself (within-class variance 0): its score is V_ter / zeta, the largest
+    y = torch.tensor([0, 0, 0, 1, 1, 1])
+    z = torch.stack([torch.ones(6), torch.ones(6), y.double()], dim=1)
+    s = discriminativeness_scores(z, y, 2)
+    assert int(s.argmax()) == 2 and s[2] > 1e10 and (s >= 0).all()
+
+
+def test_topk_counts_a_negative_score_as_zero():
+    # the scores are capped to [0, H] before the Laplace noise (the sensitivity H assumes it): a score far below 0
+    # is a score of 0, which wins a 2-way top-1 against another 0 half of the time
+    g = _gen(22)
+    scores = torch.tensor([-1e6, 0.0])
+    wins = sum(int(private_topk_partition(scores, k=1, H=1.0, epsilon1=2.0, rounds=1, generator=g)[0]) == 0
+               for _ in range(400))
+    assert 0.35 < wins / 400 < 0.65  # Binomial(400, 1/2): 6 standard deviations either side
+
+
+def test_vpp_sigmas_refuse_an_empty_or_a_full_discriminative_group():
+    for d_A in (0, 8):
+        with pytest.raises(ConfigError, match=r"d_A must lie in \(0, 8\)"):
+            vpp_sigmas(1.0, 8, d_A)
