@@ -179,6 +179,13 @@ def validate(cfg: RunConfig) -> None:
     from raysim.privacy.mechanisms import check_method
 
     method = make_method(cfg)
+    # train.ctx_init is the phrase a method that learns one CoOp context starts it from; a method that starts its
+    # prompts otherwise (FedOTP, FedPGP, DP-FPL, FedPHA: random, as in their code) or learns none would ignore a
+    # phrase set for it, so only "" (the random start) and the default are taken for those
+    _check(getattr(method, "supports_ctx_init", False) or cfg.train.ctx_init in ("", TrainConfig.ctx_init),
+           f"train.ctx_init={_short(cfg.train.ctx_init)!r} sets the phrase a learnt CoOp context starts from, but {cfg.method} "
+           f"does not start its prompts from it (it would be ignored); leave train.ctx_init at its default, or use a method "
+           f"that does (promptfl, pfedmoap, fedsept with fedsept.r_init=phrase)")
     from raysim.data.augment import augment_mode
 
     # data.augment=official where it cannot apply (a method training its own image model without an augmentation of

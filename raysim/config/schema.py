@@ -36,7 +36,8 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 5e-4
     n_ctx: int = 4  # learned context tokens of the CoOp prompt (the papers use 16)
-    ctx_init: str = "a photo of a"  # PromptFL starts its context from this phrase; "" = random N(0, 0.02^2)
+    # PromptFL starts its context from this phrase; "" = random N(0, 0.02^2) (methods that do not read it take only those two)
+    ctx_init: str = "a photo of a"
     rounds: int = field(default=10, metadata=RESUMABLE)  # may grow on resume, to extend a run
     num_clients: int = 10
     participation: float = 1.0  # fraction of clients sampled per round, in (0, 1]

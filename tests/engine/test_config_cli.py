@@ -67,6 +67,18 @@ def test_bad_values_name_the_fix(overrides, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("method", ["fedpgp", "fedotp", "dpfpl", "fedpha", "fedsept", "fedproto"])
+def test_a_phrase_a_method_would_ignore_is_refused(method):
+    # these start their prompts at random (or learn none): a phrase set for them would change nothing
+    with pytest.raises(ConfigError, match=f"but {method} does not start its prompts from it"):
+        build_config(method=method, train={"ctx_init": "a picture of a"})
+    for phrase in ("", "a photo of a"):  # the random start, and the default (what the shipped tables set)
+        assert build_config(method=method, train={"ctx_init": phrase}).train.ctx_init == phrase
+    # the methods that start one learnt context from it take any phrase
+    assert build_config(method="promptfl", train={"ctx_init": "a picture of a"}).train.ctx_init == "a picture of a"
+    assert build_config(method="fedsept", fedsept={"r_init": "phrase"}, train={"ctx_init": "a picture of a"})
+
+
 def test_a_flat_key_of_the_previous_release_is_moved_then_checked(flat_keys_allowed):
     with pytest.raises(ConfigError) as e:
         build_config({"rounds": -1})
