@@ -273,3 +273,111 @@ def test_a_dpfpl_reference_upload_without_its_clipped_gradient_fails_closed():
             mech.verify(rp(stepper), "ctx", g, "reference")
     with pytest.raises(UploadViolation, match="is not the gradient the clipped step computed"):
         mech.verify(rp(SimpleNamespace(steps=2, grads={"ctx": g})), "ctx", g + 1, "reference")
+
+
+def test_training_done_fills_in_the_steps_and_drops_a_stepless_round_only_when_asked():
+    from types import SimpleNamespace
+
+    from raysim.privacy.ledger import Release
+    from raysim.privacy.mechanisms import Training
+
+    release = Release("dpfpl_reference", 0.0, 1.0, 0, 2, valid=False, claimed_epsilon=1.0)
+    for keep in (True, False):
+        done = Training(SimpleNamespace(steps=4), release, record_without_steps=keep).done()
+        assert done is not None and done.steps == 4 and done.round == 2
+    # no step ran: DP-SGD keeps the round on record with 0 steps, the reference mechanism records nothing
+    assert Training(SimpleNamespace(steps=0), release, record_without_steps=True).done().steps == 0
+    assert Training(SimpleNamespace(steps=0), release, record_without_steps=False).done() is None
+
+
+def _method(releases, **extra):
+    """A method as check_method and warnings_for see it: a name and its declared releases (nothing else)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name="fedx", releases=releases, **extra)
+
+
+def test_check_method_refuses_a_prototype_mechanism_for_a_method_without_prototypes():
+    from raysim.config.checks import build_config
+
+    with pytest.raises(ConfigError) as err:
+        build_config({"method": "promptfl", "dp": {"epsilon": 1.0, "prototypes": "vpp"}})
+    assert str(err.value) == ("dp.prototypes=vpp chooses how prototypes are released, but promptfl releases no prototypes; "
+                              "use a prototype method (fedproto, fedtgp, vpdr_fedproto, ...) or leave dp.prototypes at its default")
+    # a method releasing prototypes (and a public upload beside them) may choose it; so may one releasing only
+    # prototypes, and without DP the choice is moot
+    build_config({"method": "fedproto", "dp": {"epsilon": 1.0, "prototypes": "vpp"}})
+    mechanisms.check_method(_method({"protos": mechanisms.prototype()}), DPConfig(epsilon=1.0, prototypes="vpp"))
+    mechanisms.check_method(_method({"w": mechanisms.dpsgd()}), DPConfig(epsilon=math.inf, prototypes="vpp"))
+
+
+def test_check_method_names_the_method_in_a_refusal_and_needs_no_budget_shares():
+    # a duck-typed method without budget_shares (check_method reads it with a default, as the host does)
+    mechanisms.check_method(_method({"w": mechanisms.dpsgd()}), DPConfig(epsilon=1.0))
+    with pytest.raises(ConfigError) as err:
+        mechanisms.check_method(_method({"protos": mechanisms.prototype()}), DPConfig(epsilon=1.0, level="client"))
+    assert str(err.value) == REFUSALS["prototype", "client"].format(what="fedx's upload 'protos'")
+
+
+def test_check_method_refuses_budget_shares_over_a_release_with_a_pure_dp_part():
+    from raysim.config.checks import build_config
+    from raysim.privacy.mechanisms import BudgetShare
+
+    with pytest.raises(ConfigError) as err:
+        build_config({"method": "fedtsp", "dp": {"epsilon": 1.0, "prototypes": "vpp"}, "fedtsp": {"dp_budget": "split"}})
+    assert str(err.value) == ("fedtsp's budget shares calibrate Gaussian releases; 'protos' has a pure-DP part (vpp: it "
+                              "spends dp.epsilon itself); use dp.prototypes=igpp, or a budget mode of fedtsp without shares "
+                              "(e.g. fedtsp.dp_budget=joint)")
+    build_config({"method": "fedtsp", "dp": {"epsilon": 1.0}, "fedtsp": {"dp_budget": "split"}})  # igpp: Gaussian only
+    shares = _method({"protos": mechanisms.prototype()}, budget_shares=lambda: {"protos": BudgetShare(0.5)})
+    with pytest.raises(ConfigError, match="fedx's budget shares calibrate Gaussian releases"):
+        mechanisms.check_method(shares, DPConfig(epsilon=1.0, prototypes="vpp"))
+    mechanisms.check_method(shares, DPConfig(epsilon=math.inf, prototypes="vpp"))  # no DP, no shares to check
+
+
+def test_warnings_for_gives_each_mechanisms_warning_once_as_text():
+    from raysim.privacy.mechanisms import DPFPLReference, warnings_for
+
+    two = _method({"g": mechanisms.reference(), "h": mechanisms.reference(), "w": mechanisms.dpsgd()})
+    assert warnings_for(two, DPConfig(epsilon=1.0)) == [DPFPLReference.warning]
+    assert DPFPLReference.warning.startswith("dpfpl.dp_mode=reference reproduces the DP-FPL code")
+    assert warnings_for(_method({"w": mechanisms.dpsgd()}), DPConfig(epsilon=1.0)) == []
+    with pytest.raises(ConfigError) as err:  # what cannot be released is refused here too, naming the upload
+        warnings_for(_method({"protos": mechanisms.prototype()}), DPConfig(epsilon=1.0, level="client"))
+    assert str(err.value) == REFUSALS["prototype", "client"].format(what="fedx's upload 'protos'")
+
+
+def test_the_dpsgd_rate_is_the_batch_over_the_training_set_capped_at_one():
+    mech = resolve("dpsgd", DPConfig(epsilon=1.0))
+    assert mech.sample_rate(40, 8) == pytest.approx(0.2)
+    assert mech.sample_rate(1, 1) == 1.0  # one example in a batch of one: every step sees it
+    assert mech.sample_rate(5, 8) == 1.0 and mech.sample_rate(0, 8) == 1.0
+
+
+def test_a_dpsgd_upload_is_the_trained_tensor_or_the_untouched_broadcast_one():
+    from types import SimpleNamespace
+
+    from raysim.errors import UploadViolation
+
+    mech = resolve("dpsgd", DPConfig(epsilon=1.0))
+    w = torch.tensor([1.0, 2.0, 3.0])
+
+    def rp(steps, names=(), trained=None, shared=None):
+        stepper = SimpleNamespace(steps=steps, names_each_step=[frozenset(n) for n in names], trained=trained or {})
+        return SimpleNamespace(enabled=True, cid=3, stepper=stepper, shared=shared if shared is not None else {"w": w})
+
+    # no step ran: the broadcast tensor, untouched, holds nothing of the client's data
+    mech.verify(rp(0), "w", w.clone(), "dpsgd")
+    for bad in (rp(0), rp(0, shared={"w": w.reshape(3, 1)}), rp(0, shared={})):  # changed, reshaped, never broadcast
+        upload = w + 1 if bad.shared.get("w") is w else w.clone()
+        with pytest.raises(UploadViolation) as err:
+            mech.verify(bad, "w", upload, "dpsgd")
+        assert str(err.value) == "client 3: 'w' is declared dpsgd but no DP-SGD step trained it (fail closed)"
+    # steps ran: only the tensor they trained, passed to every step (the broadcast value is no longer it)
+    mech.verify(rp(2, [{"w"}, {"w", "b"}], {"w": w + 1}), "w", w + 1, "dpsgd")
+    with pytest.raises(UploadViolation, match="the uploaded 'w' is not the tensor DP-SGD trained"):
+        mech.verify(rp(2, [{"w"}, {"w"}], {"w": w + 1}), "w", w.clone(), "dpsgd")
+    with pytest.raises(UploadViolation) as err:  # trained by the first step only
+        mech.verify(rp(2, [{"w"}, {"b"}], {"w": w + 1, "b": w}), "w", w + 1, "dpsgd")
+    assert str(err.value) == ("client 3: 'w' is declared dpsgd but was not passed as dp_params={'w': tensor} to every "
+                              "privacy.backward step (fail closed)")

@@ -19,6 +19,7 @@ from raysim.privacy.accountant import (  # noqa: E402
     classic_rdp_epsilon,
     epsilon_spent,
     gaussian_rdp_epsilon,
+    gaussian_rdp_sigma,
 )
 from raysim.privacy.ledger import PrivacyLedger, Release  # noqa: E402
 
@@ -132,3 +133,44 @@ def test_the_vpdr_table_specs_calibrate_as_the_vpdr_code(tmp_path):
                 assert cfg.dp.conversion == "classic", f"{path.name}: {cfg.method} under {cfg.dp.conversion}"
                 private += 1
     assert private > 10
+
+
+# ------------------------------------------------------------- the survivors of the mutation run (docs/testing.md)
+def test_classic_calibration_finds_a_multiplier_below_one_at_a_large_epsilon():
+    # epsilon 40 over one release needs sigma ~0.19: the bisection's bracket must reach below 1. Cross-checked
+    # with gaussian_rdp_sigma (the same classic bound at q = 1, bisected to 1e-3 instead of 1e-4: 2e-3 covers both)
+    sigma = calibrate_multiplier(epsilon=40.0, delta=1e-5, plan=[(1.0, 1)], conversion="classic")
+    assert sigma < 1.0
+    assert sigma == pytest.approx(gaussian_rdp_sigma(epsilon=40.0, delta=1e-5, releases=1), abs=2e-3)
+    # the smallest to the bisection's 1e-4: it meets the target, 2e-4 less noise does not
+    assert classic_rdp_epsilon([(sigma, 1.0, 1)], delta=1e-5) <= 40.0 < classic_rdp_epsilon([(sigma - 2e-4, 1.0, 1)], delta=1e-5)
+
+
+def test_an_unreachable_classic_target_says_what_to_raise():
+    # even sigma 1e4 spends ln(1e5) / 511 = 0.0225 at the largest order: 0.01 cannot be met
+    with pytest.raises(ConfigError) as err:
+        calibrate_multiplier(epsilon=0.01, delta=1e-5, plan=[(1.0, 1)], conversion="classic")
+    assert str(err.value) == ("cannot reach epsilon=0.01 at delta=1e-05 with these releases (classic conversion); "
+                              "raise epsilon or delta")
+
+
+def test_classic_epsilon_of_no_release_is_zero_and_of_no_noise_infinite():
+    assert classic_rdp_epsilon([], delta=1e-5) == 0.0
+    # entries with 0 steps are no release (whatever their sigma): alone they spend nothing, beside others nothing extra
+    assert classic_rdp_epsilon([(5.0, 1.0, 0), (0.0, 0.3, 0)], delta=1e-5) == 0.0
+    alone = classic_rdp_epsilon([(5.0, 1.0, 3)], delta=1e-5)
+    assert classic_rdp_epsilon([(0.0, 1.0, 0), (5.0, 1.0, 3)], delta=1e-5) == pytest.approx(alone, rel=1e-12)
+    # sigma 0 (no noise) with steps: infinite, from a single step on, at q = 1 and below
+    for q, n in ((1.0, 1), (1.0, 4), (0.2, 1)):
+        assert classic_rdp_epsilon([(0.0, q, n), (5.0, 1.0, 3)], delta=1e-5) == math.inf
+    # and the classic ledger, which passes its history straight to it
+    led = PrivacyLedger(1.0, 1e-5, "rdp", "classic")
+    led.record(Release("dpfpl_reference", 0.0, 1.0, 1, 0, valid=False, claimed_epsilon=1.0))
+    assert led.epsilon() == math.inf
+
+
+def test_epsilon_spent_refuses_classic_under_prv():
+    with pytest.raises(ConfigError, match="dp.conversion=classic converts an RDP curve; it needs dp.accountant=rdp"):
+        epsilon_spent([(5.0, 1.0, 3)], delta=1e-5, accountant="prv", conversion="classic")
+    with pytest.raises(ConfigError, match="it needs dp.accountant=rdp"):
+        PrivacyLedger(1.0, 1e-5, "prv", "classic")

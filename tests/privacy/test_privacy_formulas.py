@@ -241,3 +241,11 @@ def test_the_distillation_loss_below_temperature_one_is_t_squared_times_the_kl()
     want = float((np.exp(lt) * (lt - ls)).sum(-1).mean() * T * T)
     got = kd_loss(torch.tensor(s), torch.tensor(t), T=T)
     assert float(got) == pytest.approx(want, rel=1e-10)
+
+
+def test_the_analytic_gaussian_epsilon_is_finite_up_to_the_last_doubling_of_its_bracket():
+    # the bracket doubles from 1 while delta(hi) is above the target and gives up past 1e4 (at 16384), so an epsilon
+    # of ~7400 (m = 0.0085) is still found, to the bisection's 1e-9 (checked as above, with 1e-8)
+    eps = acc.analytic_gaussian_epsilon(0.0085, delta=1e-5)
+    assert 6561.0 < eps < 8192.0
+    assert acc.analytic_gaussian_delta(0.0085, eps) <= 1e-5 < acc.analytic_gaussian_delta(0.0085, eps - 1e-8)

@@ -162,6 +162,36 @@ def test_a_ledger_comes_back_from_its_checkpoint_with_every_field():
     assert (old.accountant, old.conversion, old.releases) == ("rdp", "tight", [])
 
 
+def test_a_prv_ledger_keeps_its_accountant_through_a_checkpoint():
+    # a resumed PRV run must go on composing under PRV, not fall back to the RDP default (PRV's bound is the
+    # smaller one here, so RDP would print a different, larger epsilon)
+    led = PrivacyLedger(10.0, DELTA, accountant="prv")
+    led.record(Release("igpp", 2.0, 1.0, 5, 0))
+    back = PrivacyLedger.from_dict(led.to_dict())
+    assert back.accountant == "prv" and back.conversion == "tight"
+    # same releases, same accountant: PRV rebuilds the same grid (its eps_error is 0.01; 1e-6 is far below it)
+    assert back.epsilon() == pytest.approx(led.epsilon(), rel=1e-6)
+    assert back.epsilon() < epsilon_spent([(2.0, 1.0, 5)], delta=DELTA, accountant="rdp") - 0.2  # 4.99 vs 5.38
+
+
+def test_a_checkpointed_release_holds_plain_python_numbers():
+    # a release built from numpy / torch scalars (a step count or a round index read off a tensor) is written
+    # as int (steps, round) and float (the rest), so the checkpoint is JSON and reads back the same numbers
+    import json
+
+    import numpy as np
+
+    led = PrivacyLedger(2.0, DELTA)
+    led.record(Release("dpsgd", np.float32(1.5), torch.tensor(0.25), np.int64(30), torch.tensor(3), epsilon=np.float64(0.1)))
+    rel = led.to_dict()["releases"][0]
+    assert [type(rel[k]) for k in ("sigma", "sample_rate", "steps", "round", "epsilon")] == [float, float, int, int, float]
+    assert (rel["sigma"], rel["sample_rate"], rel["steps"], rel["round"]) == (1.5, 0.25, 30, 3)  # exact in binary
+    assert rel["epsilon"] == pytest.approx(0.1, rel=1e-15)  # float64 to float: the same double
+    json.dumps(led.to_dict())
+    back = PrivacyLedger.from_dict(json.loads(json.dumps(led.to_dict())))
+    assert type(back.releases[0].round) is int and back.releases[0].round == 3
+
+
 # ------------------------------------------------------------------ VPP's reported values, worked by hand
 def test_vpp_release_reports_the_papers_quantities_at_worked_values():
     from raysim.privacy.prototypes import discriminativeness_scores, gaussian_rdp_sigma, group_clip, vpp_release, vpp_sigmas
@@ -240,6 +270,20 @@ def test_a_dpsgd_round_steps_with_the_clients_multiplier_rate_clip_and_stream(sa
     assert h._training.record_without_steps
     # a client with fewer examples than the batch: q capped at 1
     assert host.open(3, 1, 5, {"ctx": torch.zeros(2, 3)}).stepper.sample_rate == 1.0
+
+
+def test_a_dpsgd_round_without_steps_uploads_the_broadcast_and_is_on_record_spending_nothing():
+    # e.g. a client whose Poisson batches all came out empty: what it uploads is the untouched broadcast tensor
+    # (accepted), the round is recorded with 0 steps, and that costs nothing
+    from raysim.config import DPConfig
+
+    host = _host("promptfl", DPConfig(epsilon=1.0), batch_size=8)
+    shared = {"ctx": torch.randn(2, 3, generator=torch.Generator().manual_seed(0))}
+    h = host.open(2, 0, 40, shared)
+    h.close({"ctx": shared["ctx"].clone()})
+    [rel] = host.ledger(2).releases
+    assert (rel.mechanism, rel.steps, rel.round) == ("dpsgd", 0, 0)
+    assert host.ledger(2).epsilon() == 0.0
 
 
 def test_a_dpsgd_round_is_checked_against_its_own_clients_ledger():
