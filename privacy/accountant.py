@@ -243,7 +243,9 @@ def analytic_gaussian_delta(multiplier: float, epsilon: float) -> float:
 def analytic_gaussian_epsilon(multiplier: float, *, delta: float) -> float:
     """The smallest epsilon at which one Gaussian release with noise std `multiplier` x its sensitivity
     is (epsilon, delta)-DP (the analytic Gaussian mechanism, Balle and Wang 2018, Thm. 8; exact, so
-    tighter than any RDP conversion for a single release). Bisection to 1e-9, rounded up."""
+    tighter than any RDP conversion for a single release). Bisection to 1e-9, rounded up. The bracket doubles from
+    1 and gives up past 1e4, so an epsilon above 8,192 (its last doubling under 1e4) is reported as inf: an upper
+    bound, and no run's budget is near it."""
     delta = _check_delta(delta)
     if not multiplier > 0:
         return math.inf

@@ -168,8 +168,8 @@ def test_the_analytic_gaussian_epsilon_is_the_smallest_that_meets_delta(m):
 
 
 def test_the_analytic_gaussian_epsilon_edges():
-    # no noise (m <= 0), or so little that epsilon would pass 1e4: infinite; so much that delta(0) already meets
-    # the target (m > 1 / (sqrt(2 pi) delta) ~ 4e4 at delta 1e-5): zero
+    # no noise (m <= 0), or so little that epsilon would pass 8,192 (the bracket's last doubling under 1e4):
+    # infinite; so much that delta(0) already meets the target (m > 1 / (sqrt(2 pi) delta) ~ 4e4 at delta 1e-5): zero
     assert acc.analytic_gaussian_epsilon(0.0, delta=1e-5) == math.inf
     assert acc.analytic_gaussian_epsilon(-1.0, delta=1e-5) == math.inf
     assert acc.analytic_gaussian_epsilon(1e-3, delta=1e-5) == math.inf
