@@ -30,6 +30,7 @@ CONVERSIONS = ("tight", "classic")
 # Opacus' RDP default orders, pinned: {1.1, 1.2, ..., 10.9} U {12, ..., 63}.
 RDP_ALPHAS: tuple[float, ...] = tuple([1 + x / 10.0 for x in range(1, 100)] + [float(a) for a in range(12, 64)])
 EPSILON_TOLERANCE = 0.01  # bisection tolerance of get_noise_multiplier (Opacus default)
+BISECTION_STEPS = 200  # halvings of [0, hi <= 1e6]: far past float resolution, so the bisection always ends
 PRV_EPS_ERROR = 0.01  # PRV accountant's epsilon error (Opacus default); delta_error = delta / 1000
 
 # Orders of the VPDR prototype-release calibration (SPEC 3.2 item 8).
@@ -335,7 +336,7 @@ def calibrate_multiplier(
         hi *= 2
         if hi > 1e6:
             raise ConfigError(f"cannot reach epsilon={epsilon} at delta={delta} with these releases; raise epsilon or delta")
-    while True:
+    for _ in range(BISECTION_STEPS):  # eps_at(hi) <= target throughout: hi is always a valid answer
         mid = 0.5 * (lo + hi)
         eps = eps_at(mid)
         if eps > target:
@@ -344,6 +345,9 @@ def calibrate_multiplier(
             hi = mid
             if eps >= target - EPSILON_TOLERANCE:
                 return hi
+    # the accountant's epsilon jumped over the tolerance band (a discretised one can step): the smallest multiplier
+    # found that meets the target, which spends at most it
+    return hi
 
 
 def _classic_multiplier(target: float, delta: float, merged: dict[float, int]) -> float:

@@ -280,7 +280,7 @@ def main() -> None:
     parser.add_argument("--test", action="append", default=[], help="kill: a pytest id to run (repeatable)")
     parser.add_argument("--tree", type=Path, default=TREE)
     parser.add_argument("--results", type=Path, help="a saved `mutmut results --all true` listing (default: ask mutmut)")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     global RESULTS
     RESULTS = args.results
     if args.command == "prepare":

@@ -174,3 +174,5 @@ def test_epsilon_spent_refuses_classic_under_prv():
         epsilon_spent([(5.0, 1.0, 3)], delta=1e-5, accountant="prv", conversion="classic")
     with pytest.raises(ConfigError, match="it needs dp.accountant=rdp"):
         PrivacyLedger(1.0, 1e-5, "prv", "classic")
+    with pytest.raises(ConfigError, match="it needs dp.accountant=rdp"):  # the calibration asks the same
+        calibrate_multiplier(epsilon=1.0, delta=1e-5, plan=[(1.0, 3)], accountant="prv", conversion="classic")

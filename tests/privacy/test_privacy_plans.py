@@ -42,6 +42,23 @@ def test_a_two_rate_plan_spends_the_target_to_the_bisection_tolerance(eps):
     assert spent(0.98 * sigma, PLAN) > eps
 
 
+def test_a_two_rate_plan_calibrates_below_multiplier_one_at_a_large_epsilon():
+    sigma = calibrate_multiplier(epsilon=40.0, delta=DELTA, plan=PLAN)  # ~0.89: the bisection's bottom is 0, not 1
+    assert sigma < 0.95
+    assert 40.0 - EPSILON_TOLERANCE - 1e-9 <= spent(sigma, PLAN) <= 40.0 + 1e-9  # as above
+
+
+def test_the_calibration_ends_when_the_accountants_epsilon_jumps_over_the_tolerance_band(monkeypatch):
+    # a discretised accountant can step: here epsilon is 10 below sigma 1.234 and 0.5 from there on, so no sigma
+    # spends within [1 - 0.01, 1]; the bisection still ends, on the smallest sigma found that meets the target
+    import raysim.privacy.accountant as acc
+
+    monkeypatch.setattr(acc, "epsilon_spent", lambda history, **_: 10.0 if history[0][0] < 1.234 else 0.5)
+    sigma = calibrate_multiplier(epsilon=1.0, delta=DELTA, plan=PLAN)
+    assert sigma == pytest.approx(1.234, abs=1e-9)  # the bisection's 200 halvings pin the step to float resolution
+    assert sigma >= 1.234  # and the answer is on the side that meets the target
+
+
 def test_a_plan_that_needs_more_than_the_first_bracket_is_still_calibrated():
     """The bisection starts on [0, 10] and doubles the top: a tiny epsilon over many releases needs sigma > 10."""
     plan = [(1.0, 300), (0.5, 300)]
