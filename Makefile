@@ -44,13 +44,14 @@ test: setup lint docs
 docs: setup
 	$(BIN)/mkdocs build --strict -d build/site
 
-# mutation testing (mutmut, pinned; scope and tests in pyproject's [tool.mutmut]); not in CI: about 40 minutes on 2 cores.
+# mutation testing (mutmut, pinned; scope and tests in pyproject's [tool.mutmut]); not in CI: about 90 minutes on 2 cores.
 # benchmarks/mutation/mutation.py builds the flat tree mutmut runs in (build/mutation) and reports per-file scores
 MUTMUT := mutmut==3.8.1
 MUTATION_WORKERS ?= 2
 mutation: setup
 	$(BIN)/python -m pip install -q $(MUTMUT)
 	$(BIN)/python benchmarks/mutation/mutation.py prepare
+	benchmarks/mutation/watchdog.sh 150 build/mutation/watchdog.log & \
 	cd build/mutation && RAYSIM_TESTS_WITHOUT_RAY=1 $(CURDIR)/$(BIN)/mutmut run --max-children $(MUTATION_WORKERS) > mutmut-run.log 2>&1
 	$(BIN)/python benchmarks/mutation/mutation.py report | tee build/mutation/score.md
 
