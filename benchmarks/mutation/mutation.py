@@ -22,6 +22,7 @@ import argparse
 import collections
 import fnmatch
 import functools
+import os
 import shutil
 import subprocess
 import sys
@@ -259,7 +260,7 @@ def kill(mutants: list[str], tests: list[str], tree: Path = TREE, timeout: float
     if not work.is_dir():
         raise SystemExit(f"no mutated tree in {work}: run `make mutation` (or `mutation.py prepare` and mutmut) first")
     shutil.copytree(ROOT / "tests", work / "tests", ignore=IGNORE, dirs_exist_ok=True)
-    env = {**__import__("os").environ, "RAYSIM_TESTS_WITHOUT_RAY": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "RAYSIM_TESTS_WITHOUT_RAY": "1", "HF_HUB_OFFLINE": "1"}
     out = {}
     for name in mutants:
         try:
