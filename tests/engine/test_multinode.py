@@ -40,7 +40,11 @@ def free_port() -> int:
 def node_env(token: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT))
+               RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT),
+               # The GCS marks a node dead after 5 failed health checks of 10 s, 3 s apart (Ray's defaults). On the
+               # 2-core CI machine, with the other test worker and its own cluster busy, a raylet can miss that
+               # window: 20 checks of 30 s. What this test checks is placement on two nodes, not failure detection.
+               RAY_health_check_timeout_ms="30000", RAY_health_check_failure_threshold="20")
     return env
 
 
@@ -58,40 +62,65 @@ def stop(proc: subprocess.Popen, timeout: float = 30) -> None:
         pass
 
 
-@pytest.fixture(scope="module")
-def two_nodes():
-    token = secrets.token_hex(32)
-    env = node_env(token)
-    tmp = tempfile.mkdtemp(prefix="rsmn", dir="/tmp")  # short: Ray's unix socket paths must fit 107 chars
-    port = free_port()
-    address = f"127.0.0.1:{port}"
+class TwoNodes:
+    """A head and a worker node (`ray start --block`, own temp dir and ports, token auth), restartable."""
 
-    def ports(*names: str) -> list[str]:
-        return [f"--{n}={free_port()}" for n in names]
+    def __init__(self) -> None:
+        self.token = secrets.token_hex(32)
+        self.env = node_env(self.token)
+        self.procs: list[subprocess.Popen] = []
+        self.tmp = ""
+        self.address = ""
 
-    def common() -> list[str]:  # every node needs its own agent ports (defaults would clash with other clusters)
-        return ["--block", "--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats",
-                *ports("dashboard-agent-listen-port", "metrics-export-port", "runtime-env-agent-port")]
+    def start(self) -> None:
+        self.tmp = tempfile.mkdtemp(prefix="rsmn", dir="/tmp")  # short: Ray's unix socket paths must fit 107 chars
+        port = free_port()
+        self.address = f"127.0.0.1:{port}"
 
-    head_cmd = [RAY, "start", "--head", f"--port={port}", f"--temp-dir={tmp}", "--include-dashboard=false",
-                '--resources={"head_node": 1}', *ports("ray-client-server-port", "dashboard-port"), *common()]
-    worker_cmd = [RAY, "start", f"--address={address}", '--resources={"worker_node": 1}', *common()]
-    procs: list[subprocess.Popen] = []
-    try:
+        def ports(*names: str) -> list[str]:
+            return [f"--{n}={free_port()}" for n in names]
+
+        def common() -> list[str]:  # every node needs its own agent ports (defaults would clash with other clusters)
+            return ["--block", "--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats",
+                    *ports("dashboard-agent-listen-port", "metrics-export-port", "runtime-env-agent-port")]
+
+        head_cmd = [RAY, "start", "--head", f"--port={port}", f"--temp-dir={self.tmp}", "--include-dashboard=false",
+                    '--resources={"head_node": 1}', *ports("ray-client-server-port", "dashboard-port"), *common()]
+        worker_cmd = [RAY, "start", f"--address={self.address}", '--resources={"worker_node": 1}', *common()]
         for name, cmd in (("head", head_cmd), ("worker", worker_cmd)):
-            log = open(os.path.join(tmp, f"{name}.log"), "w")
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            with open(os.path.join(self.tmp, f"{name}.log"), "w") as log:
+                self.procs.append(subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                                   start_new_session=True))
             if name == "head":
                 deadline = time.time() + 60
-                while not os.path.exists(os.path.join(tmp, "session_latest")) and time.time() < deadline:
-                    assert procs[0].poll() is None, Path(tmp, "head.log").read_text()
+                while not os.path.exists(os.path.join(self.tmp, "session_latest")) and time.time() < deadline:
+                    assert self.procs[0].poll() is None, Path(self.tmp, "head.log").read_text()
                     time.sleep(0.5)
                 time.sleep(2)
-        yield {"address": address, "env": env, "tmp": tmp}
-    finally:
-        for p in reversed(procs):
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
             stop(p)
-        shutil.rmtree(tmp, ignore_errors=True)
+        self.procs = []
+        if self.tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def logs(self, chars: int = 3000) -> str:
+        """What `ray start` printed for each node (`ray start --block` ends the whole node when one of its
+        processes dies, and says which), with the tails of the raylet and GCS logs."""
+        out = [f"--- {name}.log (ray start; exited: {p.poll()})\n{Path(self.tmp, f'{name}.log').read_text(errors='replace')[-chars:]}"
+               for name, p in zip(("head", "worker"), self.procs)]
+        return "\n".join(out + [node_logs(self.tmp, chars)])
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    nodes = TwoNodes()
+    try:
+        nodes.start()
+        yield nodes
+    finally:
+        nodes.stop()
 
 
 DRIVER = r"""
@@ -182,27 +211,43 @@ def drive(two_nodes, tmp_path, cache_dir) -> subprocess.CompletedProcess:
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     return subprocess.run(
-        [sys.executable, str(script), two_nodes["address"], str(tmp_path / "sweeps"), cache_dir, str(tmp_path / "run")],
-        cwd=ROOT, env=two_nodes["env"], capture_output=True, text=True, timeout=360,
+        [sys.executable, str(script), two_nodes.address, str(tmp_path / "sweeps"), cache_dir, str(tmp_path / "run")],
+        cwd=ROOT, env=two_nodes.env, capture_output=True, text=True, timeout=360,
     )
 
 
+NODE_LOST = ("has been marked dead", "Raylet is terminated", "ActorDiedError")  # a node went, not a wrong result
+
+
 def test_federation_and_sweep_on_two_nodes(two_nodes, tmp_path, cache_dir):
-    attempt = tmp_path / "1"
-    try:
-        proc = drive(two_nodes, attempt, cache_dir)
-    except subprocess.TimeoutExpired as e:
-        # Seen once in CI on a loaded 2-core machine (stop 36: the driver printed the sweep's start and nothing
-        # after it for 400 s of a 420 s limit) and not reproduced in 8 runs here. The driver's watchdog and the node logs say where
-        # it stood; they are reported as a warning and the driver runs once more on the same nodes, so a second
-        # hang (or any wrong result) still fails the test.
-        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
-        warnings.warn(f"multinode driver timed out once; retrying.\nstdout:\n{text(e.stdout)[-3000:]}\n"
-                      f"stderr:\n{text(e.stderr)[-8000:]}\nnode logs:\n{node_logs(two_nodes['tmp'])}", stacklevel=1)
-        attempt = tmp_path / "2"
-        proc = drive(two_nodes, attempt, cache_dir)
+    # Two failures of the machine, not of raysim, get one retry each, on fresh nodes: (1) stop 36, the driver
+    # printed the sweep's start and nothing after it for 400 s of a 420 s limit (not reproduced in 8 runs here);
+    # (2) stop 42, the worker node's raylet ended 12 s into the federation and the GCS marked the node dead,
+    # on a 2-core CI machine under load (alone here the test passes in ~45 s). Both are reported as a warning
+    # with the driver's output (its watchdog says where a hang stood) and the nodes' logs; a second failure, or
+    # any wrong result, fails the test.
+    text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+    for attempt in (1, 2):
+        run_dir = tmp_path / str(attempt)
+        try:
+            proc = drive(two_nodes, run_dir, cache_dir)
+        except subprocess.TimeoutExpired as e:
+            if attempt == 2:
+                raise AssertionError(f"the driver hung twice\n{text(e.stdout)[-3000:]}\n{text(e.stderr)[-6000:]}\n"
+                                     f"{two_nodes.logs()}") from None
+            warnings.warn(f"multinode driver timed out once; retrying on fresh nodes.\nstdout:\n{text(e.stdout)[-3000:]}\n"
+                          f"stderr:\n{text(e.stderr)[-8000:]}\nnode logs:\n{two_nodes.logs()}", stacklevel=1)
+        else:
+            lost = proc.returncode != 0 and any(m in proc.stdout + proc.stderr for m in NODE_LOST)
+            if not lost or attempt == 2:
+                break
+            warnings.warn(f"multinode: a node was lost once; retrying on fresh nodes.\nstdout:\n{proc.stdout[-3000:]}\n"
+                          f"stderr:\n{proc.stderr[-8000:]}\nnode logs:\n{two_nodes.logs()}", stacklevel=1)
+        two_nodes.stop()
+        two_nodes.start()
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0 and lines, (f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}\n"
+                                            f"{two_nodes.logs()}")
     res = json.loads(lines[-1][len("RESULT "):])
     print("\n".join(ln for ln in proc.stdout.splitlines() if ln.startswith("[")))
     # two nodes, told apart by their custom resources
@@ -216,4 +261,4 @@ def test_federation_and_sweep_on_two_nodes(two_nodes, tmp_path, cache_dir):
     # the sweep's trials all completed, and their client actors also used both nodes
     assert res["sweep_errors"] == 0 and [r["status"] for r in res["sweep_rows"]] == ["completed", "completed"]
     assert sorted(res["sweep_nodes"]) == sorted(res["nodes"])
-    assert (attempt / "sweeps" / "multinode" / "trials.csv").is_file()
+    assert (run_dir / "sweeps" / "multinode" / "trials.csv").is_file()
