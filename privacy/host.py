@@ -255,6 +255,12 @@ class RoundPrivacy:
         spec = self.host.method.releases.get(name)
         if spec is None or spec.kind not in ("prototype", "embedding"):
             raise UploadViolation(f"{self.host.method.name} does not declare {name!r} as a prototype or embedding release")
+        mech = self.host.mechanisms.get(name)
+        if mech is not None and mech.private and name not in self.host.method.releases_of(self.cid):
+            # _mechanism() would find no mechanism for it and the release would leave un-noised
+            raise UploadViolation(f"client {self.cid} does not release {name!r} ({self.host.method.name}.releases_of("
+                                  f"{self.cid}) = {self.host.method.releases_of(self.cid)}): a private release is made "
+                                  "only by the clients that declare it")
         st = self.host.state(self.cid)
         if spec.once and name in st.once:
             out = st.once[name]  # already released: sending it again is post-processing
