@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: setup run lint test docs mutation clean
+.PHONY: setup run lint test docs mutation mutation-stepper clean
 
 $(BIN)/.installed: requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,15 @@ mutation: setup
 	benchmarks/mutation/watchdog.sh 150 build/mutation/watchdog.log & \
 	cd build/mutation && RAYSIM_TESTS_WITHOUT_RAY=1 $(CURDIR)/$(BIN)/mutmut run --max-children $(MUTATION_WORKERS) > mutmut-run.log 2>&1
 	$(BIN)/python benchmarks/mutation/mutation.py report | tee build/mutation/score.md
+
+# the second scope, [tool.raysim.mutation.stepper] in pyproject: privacy/dpsgd.py and privacy/host.py against the fast
+# tests that reach them (about 60 minutes on 2 cores); its own tree, build/mutation-stepper
+mutation-stepper: setup
+	$(BIN)/python -m pip install -q $(MUTMUT)
+	$(BIN)/python benchmarks/mutation/mutation.py prepare --scope stepper --tree build/mutation-stepper
+	benchmarks/mutation/watchdog.sh 150 build/mutation-stepper/watchdog.log & \
+	cd build/mutation-stepper && RAYSIM_TESTS_WITHOUT_RAY=1 $(CURDIR)/$(BIN)/mutmut run --max-children $(MUTATION_WORKERS) > mutmut-run.log 2>&1
+	$(BIN)/python benchmarks/mutation/mutation.py report --tree build/mutation-stepper | tee build/mutation-stepper/score.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,6 +1,7 @@
 """Mutation testing of raysim with mutmut (`make mutation`): build the flat tree mutmut runs in, and report.
 
     python benchmarks/mutation/mutation.py prepare   # build/mutation: the tree mutmut mutates
+    python benchmarks/mutation/mutation.py prepare --scope stepper --tree build/mutation-stepper   # a second scope
     python benchmarks/mutation/mutation.py report    # per-file counts and the score, from `mutmut results`
     python benchmarks/mutation/mutation.py triage    # the survivors by kind, and the open ones by function
     python benchmarks/mutation/mutation.py diffs     # each open survivor's changed line, before and after
@@ -11,7 +12,10 @@ mutated copy. The repository maps methods/, privacy/ and attacks/ into the raysi
 package-dir (an editable install), which mutmut's copy would bypass (the tests would import the clean files and
 every mutant would "survive"). In the flat tree methods/, privacy/ and attacks/ sit inside raysim/, so the plain
 import system finds raysim.privacy in mutants/raysim/privacy. The scope and the tests mutmut runs are
-[tool.mutmut] in pyproject.toml; the triage of the survivors is in docs/testing.md, "Mutation testing".
+[tool.mutmut] in pyproject.toml; a second scope, [tool.raysim.mutation.SCOPE] (its own `only_mutate` and test
+selection), replaces those two keys in the tree's copy with `prepare --scope SCOPE`: the DP-SGD stepper and the host's
+privacy handle are run against the fast tests that reach them, not against the whole-run tests of the first scope
+(20-60 s a mutant there). The triage of the survivors is in docs/testing.md, "Mutation testing".
 
 Score = killed / (killed + survived + no tests), where a timeout counts as killed (the mutant made the tests hang)
 and "no tests" means no selected test runs the mutated function (it survives by not being looked at)."""
@@ -22,7 +26,9 @@ import argparse
 import collections
 import fnmatch
 import functools
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,8 +40,42 @@ IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "mutants")
 KILLED = {"killed", "timeout", "segfault"}  # segfault: a mutant that hung was stopped by signal (a timeout)
 
 
-def prepare(out: Path = TREE) -> Path:
-    """A fresh flat tree at `out` (any earlier one, mutants and mutmut's cache included, is removed)."""
+SCOPED_KEYS = ("only_mutate", "pytest_add_cli_args_test_selection")
+
+
+def scoped_pyproject(text: str, scope: str) -> str:
+    """pyproject.toml's text with [tool.mutmut]'s scope keys replaced by those of [tool.raysim.mutation.<scope>]."""
+    import tomllib  # Python 3.11+, as below
+
+    scopes = tomllib.loads(text).get("tool", {}).get("raysim", {}).get("mutation", {})
+    if scope not in scopes:
+        raise SystemExit(f"no mutation scope {scope!r} in pyproject.toml (known: {', '.join(sorted(scopes)) or 'none'}); "
+                         "add a [tool.raysim.mutation.<scope>] table with only_mutate and pytest_add_cli_args_test_selection")
+    head, sep, rest = text.partition("[tool.mutmut]")
+    body, nxt, tail = rest.partition("\n[")
+    for key in SCOPED_KEYS:
+        found = re.search(rf"^{key} = \[", body, flags=re.M)
+        if found is None:
+            raise SystemExit(f"[tool.mutmut] in pyproject.toml has no {key} to replace")
+        # the array ends at the first "]" after which the text from "[" parses as TOML (a "]" may sit in a string)
+        end = next(i + 1 for i in range(found.end(), len(body)) if body[i] == "]" and _parses(body[found.end() - 1:i + 1]))
+        body = body[:found.start()] + f"{key} = {json.dumps(scopes[scope][key])}" + body[end:]
+    return head + sep + body + nxt + tail
+
+
+def _parses(array: str) -> bool:
+    import tomllib
+
+    try:
+        tomllib.loads(f"x = {array}")
+        return True
+    except tomllib.TOMLDecodeError:
+        return False
+
+
+def prepare(out: Path = TREE, scope: str = "") -> Path:
+    """A fresh flat tree at `out` (any earlier one, mutants and mutmut's cache included, is removed); with
+    `scope`, its pyproject's [tool.mutmut] mutates and runs what [tool.raysim.mutation.<scope>] names."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -46,6 +86,9 @@ def prepare(out: Path = TREE) -> Path:
         shutil.copytree(ROOT / extra, out / extra, ignore=IGNORE)
     for name in ("pyproject.toml", "mkdocs.yml", "README.md"):
         shutil.copy2(ROOT / name, out / name)
+    if scope:
+        pyproject = out / "pyproject.toml"
+        pyproject.write_text(scoped_pyproject(pyproject.read_text("utf-8"), scope), "utf-8")
     return out
 
 
@@ -280,12 +323,13 @@ def main() -> None:
     parser.add_argument("mutants", nargs="*", help="kill: the mutants' names (as `mutmut results` lists them)")
     parser.add_argument("--test", action="append", default=[], help="kill: a pytest id to run (repeatable)")
     parser.add_argument("--tree", type=Path, default=TREE)
+    parser.add_argument("--scope", default="", help="prepare: the [tool.raysim.mutation.SCOPE] table to mutate instead")
     parser.add_argument("--results", type=Path, help="a saved `mutmut results --all true` listing (default: ask mutmut)")
     args = parser.parse_intermixed_args()
     global RESULTS
     RESULTS = args.results
     if args.command == "prepare":
-        print(prepare(args.tree))
+        print(prepare(args.tree, args.scope))
     elif args.command == "report":
         print(report(args.tree))
     elif args.command == "kill":

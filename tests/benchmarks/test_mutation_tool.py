@@ -86,3 +86,26 @@ def test_every_judged_survivor_names_a_function_and_a_line_of_todays_code():
                                                                       "else", "is", "in"}
         missing = {w for w in words if w not in source and not re.fullmatch(r"XX\w*XX|[A-Z_0-9]+", w)}
         assert not missing, f"neutral.toml: {function}: {line!r} has {missing} that the function no longer has"
+
+
+def test_a_second_scope_replaces_only_what_mutmut_mutates_and_runs():
+    # `prepare --scope stepper` rewrites the tree's [tool.mutmut] only_mutate and test selection from
+    # [tool.raysim.mutation.stepper]; everything else of pyproject.toml (the package, the other mutmut keys) stays
+    import tomllib
+
+    tool = _tool()
+    text = (ROOT / "pyproject.toml").read_text("utf-8")
+    config = tomllib.loads(text)
+    out = tomllib.loads(tool.scoped_pyproject(text, "stepper"))
+    scope = config["tool"]["raysim"]["mutation"]["stepper"]
+    for key in ("only_mutate", "pytest_add_cli_args_test_selection"):
+        assert out["tool"]["mutmut"][key] == scope[key] != config["tool"]["mutmut"][key]
+    others = {k: v for k, v in config["tool"]["mutmut"].items() if k not in scope}
+    assert others and all(out["tool"]["mutmut"][k] == v for k, v in others.items())
+    assert out["project"] == config["project"] and out["tool"]["raysim"] == config["tool"]["raysim"]
+    # every file the scope mutates exists, and none is also in the first scope (a mutant is scored once)
+    for pattern in scope["only_mutate"]:
+        assert (ROOT / pattern.replace("raysim/privacy/", "privacy/")).is_file(), pattern
+        assert pattern not in config["tool"]["mutmut"]["only_mutate"]
+    with pytest.raises(SystemExit, match="no mutation scope 'nope'"):
+        tool.scoped_pyproject(text, "nope")
