@@ -266,6 +266,10 @@ class RoundPrivacy:
             out = st.once[name]  # already released: sending it again is post-processing
         elif spec.kind == "prototype":
             assert features is not None and labels is not None, f"the prototype release {name!r} needs features and labels"
+            lo, hi = (int(labels.min()), int(labels.max())) if labels.numel() else (0, 0)
+            if num_classes < 1 or lo < 0 or hi >= num_classes:
+                raise ValueError(f"the prototype release {name!r} needs num_classes >= 1 and every label in [0, num_classes): "
+                                 f"got num_classes={num_classes}, labels in [{lo}, {hi}]")
             out = self._prototypes(name, features, labels, num_classes, assignments)
         else:
             tensor = value() if callable(value) else value
@@ -277,7 +281,9 @@ class RoundPrivacy:
         return out.clone()
 
     def _mechanism(self, name: str) -> Optional[Mechanism]:
-        return self.host.mechanisms.get(name) if name in self.host._private_names(self.cid) else None
+        """The mechanism of a release this client makes (None: DP off). Only private mechanisms serve prototype and
+        embedding releases, and `release` has refused those the client does not declare (releases_of)."""
+        return self.host.mechanisms.get(name)
 
     def _record(self, release: Release) -> None:
         ledger = self.host.ledger(self.cid)
@@ -307,6 +313,9 @@ class RoundPrivacy:
         mech = self._mechanism(name)
         if mech is None:
             return NoDP().release(name, value)
+        if not (clip > 0 and math.isfinite(clip)):
+            raise ValueError(f"the embedding release {name!r} needs a clip radius C > 0 (its sensitivity is 2C; e.g. "
+                             f"fedtsp.dp_clip), got clip={clip}")
         z = self.host.multiplier(self.cid, self.num_train, name)
         gen = generator(self.host.seed, "dp-release", name, self.round, self.cid)
         self._record(self.host.gaussian_release(self.cid, name, mech.name, z, self.round))

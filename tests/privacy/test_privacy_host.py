@@ -8,6 +8,7 @@ pin it with numbers computed independently."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -108,10 +109,17 @@ def test_fedtsp_paper_budget_is_the_classical_gaussian_at_the_whole_epsilon_with
     plain = host.gaussian_release(0, "protos", "igpp", 1.5, 2)
     assert (plain.mechanism, plain.sigma, plain.sample_rate, plain.steps, plain.round) == ("igpp", 1.5, 1.0, 1, 2)
     assert plain.epsilon is None and plain.delta == 0.0 and plain.note == ""
-    # a split share names its own note too ("" here) and is composed by the accountant
-    _, split = fedtsp_host(dp, rounds=4)
+    # a split share is composed by the accountant and carries its note, if it has one
+    from raysim.privacy.mechanisms.base import BudgetShare
+
+    m, split = fedtsp_host(dp, rounds=4)
     s = split.gaussian_release(0, "text_emb", "embedding", 2.0, 0)
     assert s.epsilon is None and s.note == "" and s.round == 0
+    m.budget_shares = lambda: {"text_emb": BudgetShare(0.5, note="the embedding only"), "protos": BudgetShare(0.5)}
+    assert split.gaussian_release(0, "text_emb", "embedding", 2.0, 0).note == "the embedding only"
+    # under the paper budget the class means are a public upload the client sends itself, not a host release
+    with pytest.raises(UploadViolation, match="does not declare 'protos'"):
+        host.open(1, 0, 24, {}).release("protos", features=torch.zeros(2, 3), labels=torch.zeros(2).long(), num_classes=1)
 
 
 def test_fedtsp_paper_budget_refuses_a_classical_share_over_more_than_one_release():
@@ -180,6 +188,18 @@ def test_a_release_is_refused_unless_declared_as_host_made_and_needs_its_inputs(
         h.release("protos", features=feats, num_classes=3)
     with pytest.raises(AssertionError, match="needs a value"):
         h.release("text_emb", clip=2.5)
+    # the class count bounds the labels; the embedding's clip radius is its sensitivity: both given, both valid
+    labels = torch.arange(24) % 3
+    for bad, shown in ((dict(), "num_classes=0, labels in [0, 2]"), (dict(num_classes=2), "num_classes=2, labels in [0, 2]")):
+        with pytest.raises(ValueError, match=re.escape(shown)):
+            h.release("protos", features=feats, labels=labels, **bad)
+    with pytest.raises(ValueError, match=re.escape("labels in [-1, 2]")):
+        h.release("protos", features=feats, labels=labels - (labels == 1).long() * 2, num_classes=3)
+    assert h.release("protos", features=feats, labels=labels, num_classes=3).shape == (3, 6)  # the edge: max label 2
+    for clip in (None, 0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="needs a clip radius C > 0"):
+            h.release("text_emb", torch.ones(3, 5), **({} if clip is None else {"clip": clip}))
+    assert h.release("text_emb", torch.ones(3, 5), clip=1e-6).shape == (3, 5)
 
 
 def test_a_private_release_is_refused_from_a_client_that_does_not_make_it():
@@ -212,6 +232,41 @@ def test_dp_prototypes_are_the_mechanism_on_the_round_and_client_stream_and_dp_o
     clean = clean_host.open(2, 5, 24, {}).release("protos", features=feats, labels=labels, num_classes=4)
     means = torch.stack([feats[labels == c].mean(0) for c in range(3)] + [torch.zeros(6)])
     torch.testing.assert_close(clean, means, rtol=1e-6, atol=1e-6)  # a mean of 8 rows: float32 summation order
+
+
+def test_vpp_prototypes_are_its_mechanism_at_the_calibrated_rounds_with_its_pure_part_on_record():
+    from raysim.privacy.mechanisms.vpp import VPP
+
+    feats, labels = features_and_labels(n=30, classes=3)
+    dp = DPConfig(epsilon=4.0, delta=DELTA, prototypes="vpp")
+    _, host = host_of("fedproto", dp, rounds=1)  # calibrated for one release: VPP's top-k budget is eps1 / 1
+    h = host.open(0, 0, 30, {})
+    out = h.release("protos", features=feats, labels=labels, num_classes=3)
+    z = host.multiplier(0, 30)
+    want, extra = VPP(dp).apply(feats, labels, 3, multiplier=z, generator=generator(SEED, "dp-release", "protos", 0, 0), rounds=1)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)  # the same draws: float32 rounding only
+    topk, gauss = h.pending
+    assert topk.mechanism == "vpp_topk" and topk.epsilon == pytest.approx(extra["pure_epsilon"], rel=1e-12)
+    assert extra["pure_epsilon"] > 0
+    assert gauss.mechanism == "vpp" and gauss.sigma == pytest.approx(z, rel=1e-12)
+
+
+def test_dp_prototypes_with_assignments_are_the_noised_cluster_centres():
+    from raysim.privacy.mechanisms.igpp import IGPP
+
+    feats, labels = features_and_labels(n=24, classes=2)
+    assign = (torch.arange(24) // 2) % 2
+    dp = DPConfig(epsilon=1.0, delta=DELTA)
+    _, host = host_of("vpdr_fedplvm", dp, rounds=1)
+    h = host.open(0, 0, 24, {})
+    name = next(iter(n for n, spec in host.method.releases.items() if spec.kind == "prototype"))
+    out = h.release(name, features=feats, labels=labels, num_classes=2, assignments=assign)
+    z = host.multiplier(0, 24)
+    want, _ = IGPP(dp).apply(feats, labels, 2, multiplier=z, generator=generator(SEED, "dp-release", name, 0, 0), rounds=1,
+                             assignments=assign)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)  # the same draws: float32 rounding only
+    plain, _ = IGPP(dp).apply(feats, labels, 2, multiplier=z, generator=generator(SEED, "dp-release", name, 0, 0), rounds=1)
+    assert out.shape != plain.shape or not torch.allclose(out, plain)
 
 
 def test_dp_off_cluster_centres_follow_the_assignments():
