@@ -220,6 +220,9 @@ def _check_vpp_args(features: Tensor, labels: Tensor, *, centres: str, assignmen
         raise ConfigError(f"centres must be 'mean' or 'cluster', got {centres!r}")
     if centres == "cluster" and assignments is None:
         raise ConfigError("centres='cluster' needs per-example cluster assignments")
+    if centres == "mean" and assignments is not None:
+        raise ConfigError("cluster assignments were given with centres='mean' (the class means ignore them): "
+                          "pass centres='cluster' for the cluster centres, or no assignments")
     if not rho > 0:
         raise ConfigError(f"rho must lie in (0, 0.5], got {rho}")
     if not (0 < r_split < 1):

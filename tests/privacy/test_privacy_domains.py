@@ -64,6 +64,8 @@ REFUSED = {
     "kd temperature": (lambda: kd_loss(torch.zeros(2, 3), torch.zeros(2, 3), T=0.0), ["temperature must be > 0", "0.0"]),
     "vpp centres": (lambda: _vpp(centres="medoid"), ["centres must be 'mean' or 'cluster'", "'medoid'"]),
     "vpp cluster without ids": (lambda: _vpp(centres="cluster"), ["centres='cluster' needs per-example cluster assignments"]),
+    "vpp ids with means": (lambda: _vpp(assignments=torch.zeros(12, dtype=torch.long)),
+                           ["cluster assignments were given with centres='mean'", "pass centres='cluster'"]),
     "vpp rho 0": (lambda: _vpp(rho=0.0), ["rho must lie in (0, 0.5]", "0.0"]),
     "vpp split 0": (lambda: _vpp(r_split=0.0), ["r_split must lie in (0, 1)", "0.0"]),
     "vpp split 1": (lambda: _vpp(r_split=1.0), ["r_split must lie in (0, 1)", "1.0"]),
