@@ -86,7 +86,7 @@ def auto_microbatch(per_sample_loss: Tensor, budget_bytes: float | None = None) 
         budget_bytes = default_budget(per_sample_loss.device)
     b = int(per_sample_loss.shape[0])
     fn = per_sample_loss.grad_fn
-    if b <= 1 or fn is None:
+    if b <= 1 or fn is None or math.isinf(budget_bytes):  # no limit: the whole batch (inf // x is nan in Python)
         return max(1, b)
     seen_nodes: set[int] = set()
     seen_tensors: set[tuple] = set()
@@ -218,6 +218,10 @@ class _Standalone:
         if features is not None:
             assert labels is not None, "a prototype release needs the labels of its features"
             features, labels = features.detach().float().cpu(), labels.detach().long().cpu()
+            lo, hi = (int(labels.min()), int(labels.max())) if labels.numel() else (0, 0)
+            if assignments is None and (num_classes < 1 or lo < 0 or hi >= num_classes):
+                raise ValueError(f"the prototype release {name!r} needs num_classes >= 1 and every label in [0, num_classes): "
+                                 f"got num_classes={num_classes}, labels in [{lo}, {hi}]")
             if assignments is not None:  # clustered: the clean centres, class by class
                 from .prototypes import clean_centres
 
@@ -292,6 +296,9 @@ class DPSGD(_Standalone):
                 if pg is not None:
                     total = total + pg.detach()
                 p.grad = total.detach().to(p.dtype)
+        else:  # an empty Poisson batch has no loss for them: no gradient (the optimizer skips them), never a stale one
+            for p in others:
+                p.grad = None
         self.record_step(named)
 
     def apply_per_example(self, named: dict[str, Tensor], grads: Sequence[Tensor], b: int,

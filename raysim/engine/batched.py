@@ -123,6 +123,10 @@ class StackPrivacy:
             n = len(named)
             s.apply_per_example(named, [g[:b] for g in grads[j:j + n]], b, pub_grads[j:j + n])
             j += n
+        for o, b in zip(others, sizes):  # an empty Poisson batch: no gradient for its client's other tensors
+            if b == 0:
+                for p in o:
+                    p.grad = None
         for o, b in zip(mine, sizes):
             for p in o:
                 total = sums[j - len(flat)] / b

@@ -6,6 +6,7 @@ Small CPU models, seeded; every float comparison has a tolerance and says why.""
 
 import importlib
 import math
+import re
 import warnings
 
 import pytest
@@ -271,6 +272,11 @@ def test_dpsgd_empty_poisson_batch_releases_noise_over_the_expected_size():
     assert h2.steps == 1
     with pytest.raises(ValueError, match="DP-SGD step on an empty batch"):
         DPSGD(sigma=1.0, clip=1.0, sample_rate=0.1, generator=_gen()).backward(losses()[0][:0], [w2])
+    # the other tensors have no loss in an empty batch: no gradient, and never the previous step's left behind
+    w1.grad = torch.ones_like(w1)
+    per, public = losses()
+    DPSGD(sigma=2.0, clip=0.5, sample_rate=0.1, generator=_gen(3), expected_batch=2.5).backward(per[:0], {"w2": w2}, [w1])
+    assert w1.grad is None
 
 
 def test_apply_per_example_directly():
@@ -597,3 +603,20 @@ def test_standalone_release_of_clustered_features_and_of_values():
         torch.testing.assert_close(out, value.detach().float())  # a cast copy
         out += 1.0
         torch.testing.assert_close(value.detach().float(), out - 1.0)  # the copy is not the tensor: value unchanged
+
+
+def test_an_unlimited_budget_pulls_the_whole_batch_back_at_once():
+    # budget_bytes=inf is "no limit": B rows per backward (inf // bytes is nan in Python, which max() turned into 1)
+    x = torch.randn(6, 3, generator=torch.Generator().manual_seed(0))
+    w = nn.Parameter(torch.ones(3))
+    assert dpsgd_mod.auto_microbatch((x @ w) ** 2, budget_bytes=math.inf) == 6
+
+
+def test_a_standalone_prototype_release_needs_the_class_count_of_its_labels():
+    feats, labels = torch.randn(6, 2), torch.tensor([0, 1, 2, 0, 1, 2])
+    for kw, shown in (({}, "num_classes=0, labels in [0, 2]"), ({"num_classes": 2}, "num_classes=2, labels in [0, 2]")):
+        with pytest.raises(ValueError, match=re.escape(shown)):
+            NoDP().release("protos", features=feats, labels=labels, **kw)
+    with pytest.raises(ValueError, match=re.escape("labels in [-1, 2]")):
+        NoDP().release("protos", features=feats, labels=labels - (labels == 1).long() * 2, num_classes=3)
+    assert NoDP().release("protos", features=feats, labels=labels, num_classes=3).shape == (3, 2)
