@@ -338,3 +338,147 @@ def test_a_clients_privacy_state_survives_a_checkpoint_and_an_abandoned_round_is
     fresh.state(0).multipliers["protos"] = 99.0
     fresh.restore(0, saved)
     assert fresh.state(0).multipliers == st0.multipliers
+
+
+# ------------------------------------------------------------------- from the stepper scope's survivors
+def test_a_share_is_calibrated_under_the_runs_accountant_and_conversion():
+    # dp.accountant / dp.conversion reach a share's calibration (not only the one-multiplier path)
+    for dp in (DPConfig(epsilon=2.0, delta=DELTA, accountant="prv"), DPConfig(epsilon=2.0, delta=DELTA, conversion="classic")):
+        _, host = fedtsp_host(dp, rounds=4)
+        want = calibrate_multiplier(epsilon=1.0, delta=DELTA, plan=[(1.0, 4)], accountant=dp.accountant, conversion=dp.conversion)
+        plain = calibrate_multiplier(epsilon=1.0, delta=DELTA, plan=[(1.0, 4)])
+        assert host.multiplier(0, 24, "protos") == pytest.approx(want, rel=1e-9)
+        assert abs(want - plain) > 1e-3 * plain  # the setting matters at these values
+
+
+def test_the_refusals_of_a_share_name_what_to_do():
+    dp = DPConfig(epsilon=2.0, delta=DELTA)
+    _, host = fedtsp_host(dp, rounds=4)
+    with pytest.raises(ConfigError, match=re.escape("every private release (protos, text_emb) needs one")):
+        host.multiplier(0, 24)
+    dp_vpp = DPConfig(epsilon=0.5, delta=DELTA, prototypes="vpp")
+    method, _ = fedtsp_host(dp_vpp, rounds=4)
+    host2 = HostPrivacy(dp=dp_vpp, method=method, seed=SEED, batch_size=8, releases_per_client=lambda cid: 4)
+    with pytest.raises(ConfigError, match=r"spends dp\.epsilon itself\); use dp\.prototypes=igpp$"):
+        host2.multiplier(0, 24, "protos")
+    # under the paper budget a client that makes no embedding release holds no share: asking for one is refused
+    _, paper = fedtsp_host(DPConfig(epsilon=0.5, delta=DELTA), rounds=4, dp_budget="paper")
+    with pytest.raises(ConfigError, match="covers one release that is the client's only private one"):
+        paper.multiplier(1, 24, "text_emb")
+
+
+def test_a_method_splits_its_budget_only_when_dp_is_on():
+    _, off = fedtsp_host(DPConfig(), rounds=4)
+    assert off.shares() is None
+    _, on = fedtsp_host(DPConfig(epsilon=1.0, delta=DELTA), rounds=4, dp_budget="joint")
+    assert on.shares() is None  # joint: one multiplier for every release
+
+
+def test_the_paper_budgets_embedding_release_is_recorded_at_its_exact_cost_and_a_shares_note_follows_its_release():
+    from raysim.privacy.mechanisms.base import BudgetShare
+
+    _, host = fedtsp_host(DPConfig(epsilon=0.5, delta=DELTA), rounds=4, dp_budget="paper")
+    h = host.open(0, 2, 24, {})
+    h.release("text_emb", torch.randn(3, 5), clip=2.5)
+    (rel,) = h.pending
+    z = host.multiplier(0, 24, "text_emb")
+    assert rel.epsilon == pytest.approx(analytic_gaussian_epsilon(z, delta=DELTA), rel=1e-12) and rel.note
+    method, split = fedtsp_host(DPConfig(epsilon=2.0, delta=DELTA), rounds=4)
+    method.budget_shares = lambda: {"text_emb": BudgetShare(0.5), "protos": BudgetShare(0.5, note="class means")}
+    feats, labels = features_and_labels()
+    h2 = split.open(0, 0, 24, {})
+    h2.release("protos", features=feats, labels=labels, num_classes=3)
+    assert [r.note for r in h2.pending] == ["class means"]
+
+
+def test_a_dp_off_embedding_release_is_the_value_itself():
+    _, host = fedtsp_host(DPConfig(), rounds=4)
+    value = torch.randn(3, 5)
+    out = host.open(0, 0, 24, {}).release("text_emb", value)
+    torch.testing.assert_close(out, value, rtol=0, atol=0)  # a copy of the same floats
+    assert out.data_ptr() != value.data_ptr()
+
+
+def test_vpps_top_k_part_is_recorded_as_a_pure_release_of_its_round():
+    feats, labels = features_and_labels(n=30, classes=3)
+    _, host = host_of("fedproto", DPConfig(epsilon=4.0, delta=DELTA, prototypes="vpp"), rounds=2)
+    h = host.open(0, 3, 30, {})
+    h.release("protos", features=feats, labels=labels, num_classes=3)
+    topk = h.pending[0]
+    assert (topk.sigma, topk.sample_rate, topk.steps, topk.round, topk.delta) == (0.0, 1.0, 1, 3, 0.0)
+    # the plan takes the pure part as its share of dp.epsilon (4.0 here: a share times 4, not over 4)
+    from raysim.privacy.mechanisms.vpp import VPP
+
+    share = VPP(host.dp).plan(num_train=30, steps_per_round=1, batch_size=8).pure_share
+    entries, pure, rounds = host.plan(0, 30)
+    assert pure == pytest.approx(share * 4.0, rel=1e-12) and 0 < share < 1 and rounds == 2
+
+
+def test_a_prototype_release_is_checked_against_the_clients_own_ledger():
+    # calibrated for one release, a client's second one would take it past its budget: refused before it leaves
+    from raysim.privacy.ledger import PrivacyBudgetExceeded
+
+    feats, labels = features_and_labels()
+    _, host = host_of("fedproto", DPConfig(epsilon=1.0, delta=DELTA), rounds=1)
+    h = host.open(0, 0, 24, {})
+    h.close({"protos": h.release("protos", features=feats, labels=labels, num_classes=3), "counts": torch.ones(3)})
+    with pytest.raises(PrivacyBudgetExceeded, match="igpp release in round 1"):
+        host.open(0, 1, 24, {}).release("protos", features=feats, labels=labels, num_classes=3)
+    host.open(1, 1, 24, {}).release("protos", features=feats, labels=labels, num_classes=3)  # another client: its own
+
+
+def test_prototype_releases_at_their_class_count_edges():
+    _, host = host_of("fedproto", DPConfig(), rounds=1)
+    h = host.open(0, 0, 24, {})
+    out = h.release("protos", features=torch.randn(5, 4), labels=torch.zeros(5).long(), num_classes=1)
+    assert out.shape == (1, 4)  # one class is a valid class count
+    empty = h.release("protos", features=torch.zeros(0, 4), labels=torch.zeros(0).long(), num_classes=1)
+    torch.testing.assert_close(empty, torch.zeros(1, 4), rtol=0, atol=0)  # no examples: the class is 0
+
+
+def test_the_refusal_of_a_release_a_client_does_not_make_says_why():
+    _, host = fedtsp_host(DPConfig(epsilon=1.0, delta=DELTA), dp_client=0)
+    with pytest.raises(UploadViolation, match=r"a private release is made only by the clients that declare it$"):
+        host.open(2, 0, 24, {}).release("text_emb", torch.randn(3, 5), clip=2.5)
+
+
+def test_a_joint_mechanism_is_planned_once_and_the_releases_after_it_still_count():
+    from raysim.privacy.mechanisms.base import dpsgd, prototype
+
+    cls = get_method("promptfl")
+    stub = type("TwoTensorsAndProtos", (cls,), {"releases": {"a": dpsgd(), "b": dpsgd(), "protos": prototype()}})
+    dp = DPConfig(epsilon=1.0, delta=DELTA)
+    method = stub(TrainConfig(batch_size=8, num_clients=2), cls.Options(), dp)
+    host = HostPrivacy(dp=dp, method=method, seed=SEED, batch_size=8, releases_per_client=lambda cid: 3)
+    entries, pure, rounds = host.plan(0, 40)
+    steps = method.dp_steps_per_round(40)
+    assert entries == [(pytest.approx(0.2), steps * 3), (1.0, 3)] and pure == 0.0 and rounds == 3
+
+
+def test_the_client_level_update_release_is_the_mechanism_on_the_update_stream_around_the_broadcast():
+    from raysim.privacy.mechanisms.client_update import ClientUpdate
+
+    dp = DPConfig(epsilon=1.0, delta=DELTA, level="client", clip=0.5)
+    per_client = {0: 2, 1: 5}
+    cls = get_method("lgfedavg")
+    method = cls(TrainConfig(batch_size=8, num_clients=2), cls.Options(), dp)
+    host = HostPrivacy(dp=dp, method=method, seed=SEED, batch_size=8, releases_per_client=per_client.__getitem__)
+    g = torch.Generator().manual_seed(4)
+    names = host._private_names(1)
+    shared = {k: torch.randn(3, 2, generator=g) for k in names}
+    trained = {k: v + torch.randn(3, 2, generator=g) for k, v in shared.items()}
+    h = host.open(1, 6, 24, shared)
+    out = h.close(dict(trained))
+    z = host.multiplier(1, 24)
+    assert z == pytest.approx(calibrate_multiplier(epsilon=1.0, delta=DELTA, plan=[(1.0, 5)]), rel=1e-9)  # its 5, not 2
+    noisy = ClientUpdate(dp).apply({k: trained[k] - shared[k] for k in names}, multiplier=z,
+                                   generator=generator(SEED, "dp-update", 6, 1))
+    for k in names:  # base + noised(update): float32 sums in the same order
+        torch.testing.assert_close(out[k], shared[k] + noisy[k], rtol=1e-6, atol=1e-6)
+    (rel,) = host.ledger(1).releases
+    assert (rel.mechanism, rel.round, rel.sample_rate, rel.steps) == ("client_update", 6, 1.0, 1)
+    assert rel.sigma == pytest.approx(z, rel=1e-12)
+    # an update-released tensor that is not an update of a broadcast tensor is refused
+    for bad_shared in ({}, {k: torch.zeros(4, 2) for k in names}):
+        with pytest.raises(UploadViolation, match="is released as an update but is not an update of a broadcast tensor"):
+            host.open(0, 6, 24, bad_shared).close(dict(trained))
