@@ -482,3 +482,17 @@ def test_the_client_level_update_release_is_the_mechanism_on_the_update_stream_a
     for bad_shared in ({}, {k: torch.zeros(4, 2) for k in names}):
         with pytest.raises(UploadViolation, match="is released as an update but is not an update of a broadcast tensor"):
             host.open(0, 6, 24, bad_shared).close(dict(trained))
+
+
+def test_the_pure_parts_of_several_releases_add_up_in_the_plan():
+    from raysim.privacy.mechanisms.base import prototype
+    from raysim.privacy.mechanisms.vpp import VPP
+
+    cls = get_method("fedproto")
+    stub = type("TwoPrototypeReleases", (cls,), {"releases": {"protos": prototype(), "more": prototype()}})
+    dp = DPConfig(epsilon=4.0, delta=DELTA, prototypes="vpp")
+    method = stub(TrainConfig(batch_size=8, num_clients=2), cls.Options(), dp)
+    host = HostPrivacy(dp=dp, method=method, seed=SEED, batch_size=8, releases_per_client=lambda cid: 3)
+    share = VPP(dp).plan(num_train=30, steps_per_round=1, batch_size=8).pure_share
+    entries, pure, _ = host.plan(0, 30)
+    assert pure == pytest.approx(2 * share * 4.0, rel=1e-12) and entries == [(1.0, 3), (1.0, 3)]
