@@ -496,3 +496,15 @@ def test_the_pure_parts_of_several_releases_add_up_in_the_plan():
     share = VPP(dp).plan(num_train=30, steps_per_round=1, batch_size=8).pure_share
     entries, pure, _ = host.plan(0, 30)
     assert pure == pytest.approx(2 * share * 4.0, rel=1e-12) and entries == [(1.0, 3), (1.0, 3)]
+
+
+def test_a_round_trains_under_dp_sgd_only_the_uploads_its_own_client_declares():
+    # releases_of is per client: a client that does not upload the DP-SGD-trained tensor runs no DP-SGD
+    cls = get_method("promptfl")
+    stub = type("FirstClientOnly", (cls,), {"releases_of": lambda self, cid: ["ctx"] if cid == 0 else []})
+    dp = DPConfig(epsilon=1.0, delta=DELTA)
+    method = stub(TrainConfig(batch_size=8, num_clients=2), cls.Options(), dp)
+    host = HostPrivacy(dp=dp, method=method, seed=SEED, batch_size=8, releases_per_client=lambda cid: 3)
+    first, second = host.open(0, 0, 40, {"ctx": torch.zeros(2, 3)}), host.open(1, 0, 40, {"ctx": torch.zeros(2, 3)})
+    assert first.enabled and first.trained_by == ["ctx"] and first.stepper.sigma > 0
+    assert not second.enabled and second.trained_by == []
