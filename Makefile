@@ -56,7 +56,7 @@ mutation: setup
 	$(BIN)/python benchmarks/mutation/mutation.py report | tee build/mutation/score.md
 
 # the second scope, [tool.raysim.mutation.stepper] in pyproject: privacy/dpsgd.py and privacy/host.py against the fast
-# tests that reach them (about 60 minutes on 2 cores); its own tree, build/mutation-stepper
+# tests that reach them (about 50 minutes on 2 cores); its own tree, build/mutation-stepper
 mutation-stepper: setup
 	$(BIN)/python -m pip install -q $(MUTMUT)
 	$(BIN)/python benchmarks/mutation/mutation.py prepare --scope stepper --tree build/mutation-stepper
