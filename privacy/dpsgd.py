@@ -203,6 +203,14 @@ def _named(params) -> dict[str, Tensor]:
     return {f"#{i}": p for i, p in enumerate(params)}
 
 
+def check_class_labels(name: str, labels: Tensor, num_classes: int) -> None:
+    """Refuse a prototype release whose class count is below 1 or does not cover every label."""
+    lo, hi = (int(labels.min()), int(labels.max())) if labels.numel() else (0, 0)
+    if num_classes < 1 or lo < 0 or hi >= num_classes:
+        raise ValueError(f"the prototype release {name!r} needs num_classes >= 1 and every label in [0, num_classes): "
+                         f"got num_classes={num_classes}, labels in [{lo}, {hi}]")
+
+
 class _Standalone:
     """What a handle used on its own (unit tests, benchmarks that call `local_train` directly) offers
     besides `backward`: shuffled fixed-size batches, and releases without noise (clean class means, the
@@ -218,10 +226,8 @@ class _Standalone:
         if features is not None:
             assert labels is not None, "a prototype release needs the labels of its features"
             features, labels = features.detach().float().cpu(), labels.detach().long().cpu()
-            lo, hi = (int(labels.min()), int(labels.max())) if labels.numel() else (0, 0)
-            if assignments is None and (num_classes < 1 or lo < 0 or hi >= num_classes):
-                raise ValueError(f"the prototype release {name!r} needs num_classes >= 1 and every label in [0, num_classes): "
-                                 f"got num_classes={num_classes}, labels in [{lo}, {hi}]")
+            if assignments is None:
+                check_class_labels(name, labels, num_classes)
             if assignments is not None:  # clustered: the clean centres, class by class
                 from .prototypes import clean_centres
 

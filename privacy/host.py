@@ -27,7 +27,7 @@ from raysim.errors import UploadViolation
 from raysim.sampling import generator
 
 from .accountant import calibrate_multiplier
-from .dpsgd import DPSGD, BatchClipSGD, NoDP
+from .dpsgd import DPSGD, BatchClipSGD, NoDP, check_class_labels
 from .ledger import PrivacyLedger, Release
 from .mechanisms import BudgetShare, Mechanism, Training, resolve_all
 
@@ -266,10 +266,7 @@ class RoundPrivacy:
             out = st.once[name]  # already released: sending it again is post-processing
         elif spec.kind == "prototype":
             assert features is not None and labels is not None, f"the prototype release {name!r} needs features and labels"
-            lo, hi = (int(labels.min()), int(labels.max())) if labels.numel() else (0, 0)
-            if num_classes < 1 or lo < 0 or hi >= num_classes:
-                raise ValueError(f"the prototype release {name!r} needs num_classes >= 1 and every label in [0, num_classes): "
-                                 f"got num_classes={num_classes}, labels in [{lo}, {hi}]")
+            check_class_labels(name, labels, num_classes)
             out = self._prototypes(name, features, labels, num_classes, assignments)
         else:
             tensor = value() if callable(value) else value
