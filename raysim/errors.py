@@ -29,14 +29,41 @@ class RunFolderLocked(ConfigError):
     """Another live process is writing the run folder (out_dir)."""
 
 
-def os_error_line(e: OSError, where: str = "", resume: str = "") -> str:
+SHOWN_CHARS = 80  # the most characters of a user's value an error message repeats
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """`repr(value)` for an error message, at most about `limit` characters: a 10 MB string or a list of a
+    million items given as a config value is named, never echoed whole. The repr itself is bounded work
+    (reprlib: the first few items of a container, a few levels deep, the head of a long string)."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxtuple, r.maxlist, r.maxarray, r.maxdict, r.maxset, r.maxfrozenset, r.maxdeque = 3, 6, 6, 6, 6, 6, 6, 6
+    r.maxstring, r.maxlong, r.maxother = limit, 40, limit
+    try:
+        text = r.repr(value)
+    except (ValueError, RecursionError, TypeError):  # an integer of more digits than int->str allows, an odd object
+        return f"<a {type(value).__name__} too large to show>"
+    if isinstance(value, (str, bytes, list, tuple, dict, set)) and len(value) > limit:
+        text = f"{text[: limit - 24]} ({len(value):,} {'characters' if isinstance(value, (str, bytes)) else 'items'})"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """`text` (a library's message, perhaps of several lines) as one line of at most `limit` characters."""
+    flat = " ".join(text[: 4 * limit].split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def os_error_line(e: OSError, where: str = "", resume: str = "", *, again: bool = False) -> str:
     """One line for an OSError at the edge: the path, what went wrong, what to do (`resume`: the out_dir
-    a run can be continued from once the cause is fixed)."""
+    a run can be continued from once the cause is fixed; `again`: nothing was kept, run the command again)."""
     import errno
 
     path = e.filename or where or "a file"
     what = e.strerror or type(e).__name__
-    then = f", then continue with output.resume={resume}" if resume else ""
+    then = f", then continue with output.resume={resume}" if resume else ", then run the command again" if again else ""
     advice = {
         errno.ENOSPC: f"the disk is full: free some space{then}",
         errno.EDQUOT: f"the disk quota is used up: free some space{then}",

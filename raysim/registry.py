@@ -7,7 +7,7 @@ import importlib
 import pkgutil
 from typing import Callable, Generic, Iterable, Iterator, TypeVar
 
-from raysim.errors import ConfigError
+from raysim.errors import ConfigError, shown
 
 T = TypeVar("T")
 
@@ -40,10 +40,10 @@ class Registry(Generic[T]):
     def get(self, name: str) -> T:
         key = str(name).lower()
         if key not in self._items:
-            hint = difflib.get_close_matches(key, self._items, n=1)
+            hint = difflib.get_close_matches(key[:100], self._items, n=1)
             extra = f" Did you mean {hint[0]!r}?" if hint else ""
             raise ConfigError(
-                f"unknown {self.kind} {name!r}.{extra} Valid choices: {', '.join(sorted(self._items))}."
+                f"unknown {self.kind} {shown(name)}.{extra} Valid choices: {', '.join(sorted(self._items))}."
             )
         return self._items[key]
 

@@ -24,6 +24,7 @@ from raysim.config.load import (
     move_flat_keys,
     parse_overrides,
     parse_user_overrides,
+    parse_yaml,
     set_dotted,
     unflatten,
 )
@@ -50,5 +51,5 @@ __all__ = [
     "BACKEND_NAMES", "KEEP_CLIENT_STATES", "ON_CLIENT_ERROR", "PLACEMENTS", "RENAMED", "RESUMABLE", "SECTIONS",
     "DPConfig", "DataConfig", "EvalConfig", "ExecutionConfig", "ModelConfig", "OutputConfig", "RunConfig", "TrainConfig",
     "VPPConfig", "deep_merge", "flatten", "get_dotted", "keeps_all_client_states", "load_config_file", "load_yaml",
-    "merge_config", "move_flat_key", "move_flat_keys", "parse_overrides", "parse_user_overrides", "set_dotted", "unflatten",
+    "merge_config", "move_flat_key", "move_flat_keys", "parse_overrides", "parse_user_overrides", "parse_yaml", "set_dotted", "unflatten",
 ]

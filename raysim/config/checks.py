@@ -12,8 +12,6 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Mapping
 
-import yaml
-
 from raysim.config.load import (
     RENAMED,
     _build_dataclass,
@@ -38,7 +36,7 @@ from raysim.config.schema import (
     RunConfig,
     TrainConfig,
 )
-from raysim.errors import ConfigError
+from raysim.errors import ConfigError, shown
 
 if TYPE_CHECKING:
     from raysim.methods.base import Method
@@ -98,10 +96,10 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> R
 
             flat = {k for k in RENAMED if "." not in k}
             choices = sorted(run_fields | set(method_names()) | flat)
-            hint = difflib.get_close_matches(key, choices, n=1)
+            hint = difflib.get_close_matches(str(key)[:100], choices, n=1)
             extra = f" Did you mean {RENAMED.get(hint[0], hint[0])!r}?" if hint else ""
             raise ConfigError(
-                f"unknown config key {key!r}.{extra} Valid keys: method and the sections {', '.join(SECTIONS)} "
+                f"unknown config key {shown(key)}.{extra} Valid keys: method and the sections {', '.join(SECTIONS)} "
                 f"(e.g. train.rounds=5); method sections: {', '.join(method_names())}."
             )
     plain = _stored_clients(plain)
@@ -171,7 +169,7 @@ def validate(cfg: RunConfig) -> None:
            "(slower than not compiling); set execution.compile=false under DP, or dp.level=client")
     _check(cfg.output.keep_client_states in KEEP_CLIENT_STATES,
            f"output.keep_client_states must be one of {', '.join(KEEP_CLIENT_STATES)} (auto = all when output.record_uploads "
-           f"is on, else last), got {cfg.output.keep_client_states!r}")
+           f"is on, else last), got {shown(cfg.output.keep_client_states)}")
     opts = method_options(cfg)
     check = getattr(opts, "validate", None)
     if callable(check):
@@ -204,9 +202,9 @@ def _validate_data(d: DataConfig) -> None:
     from raysim.data import PARTITIONERS, dataset_names
 
     if d.dataset.lower() not in dataset_names():
-        raise ConfigError(f"unknown dataset {d.dataset!r}. Valid choices: {', '.join(dataset_names())}.")
+        raise ConfigError(f"unknown dataset {shown(d.dataset)}. Valid choices: {', '.join(dataset_names())}.")
     d.dataset = d.dataset.lower()
-    _check(d.partition in PARTITIONERS, f"data.partition must be one of {', '.join(PARTITIONERS.names())}, got {d.partition!r}")
+    _check(d.partition in PARTITIONERS, f"data.partition must be one of {', '.join(PARTITIONERS.names())}, got {shown(d.partition)}")
     _check(d.beta > 0 and math.isfinite(d.beta), f"data.beta must be a positive number, got {d.beta}")
     _check(d.shots >= 0, f"data.shots must be >= 0 (0 = use all training images), got {d.shots}")
     _check(d.min_samples >= 0, f"data.min_samples must be >= 0 (0 = the partition's default), got {d.min_samples}")
@@ -214,7 +212,7 @@ def _validate_data(d: DataConfig) -> None:
            "data.partition=stored (the clients a folder stores) goes with data.dataset=pfllib, and only with it")
     _check(d.augment in AUGMENT_CHOICES,
            f"data.augment must be one of {', '.join(AUGMENT_CHOICES)} (auto = the official code's augmentation for the CoOp "
-           f"and domain datasets, off elsewhere), got {d.augment!r}")
+           f"and domain datasets, off elsewhere), got {shown(d.augment)}")
     _check(1 <= d.augment_views <= MAX_AUGMENT_VIEWS,
            f"data.augment_views must be between 1 and {MAX_AUGMENT_VIEWS} (augmented views per training image, each encoded "
            f"once and cached), got {d.augment_views}")
@@ -227,7 +225,7 @@ def _validate_data(d: DataConfig) -> None:
     _check(isinstance(d.train_fraction, (int, float)) and not isinstance(d.train_fraction, bool)
            and 0.0 < float(d.train_fraction) <= 1.0,
            f"data.train_fraction must be a number in (0, 1]: the fraction of each domain's training images kept (1 = all; "
-           f"the VPDR code keeps 0.1 of Digits and 0.3 of PACS and Office-Caltech), got {d.train_fraction!r}")
+           f"the VPDR code keeps 0.1 of Digits and 0.3 of PACS and Office-Caltech), got {shown(d.train_fraction)}")
     d.train_fraction = float(d.train_fraction)
     if d.train_fraction < 1.0:
         from raysim.data.partition import is_pooled
@@ -255,8 +253,8 @@ def _at_most(value: int, limit: int, key: str) -> None:
 
 
 def _short(value: Any) -> str:
-    text = str(value)
-    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
+    text = shown(value, 40)
+    return text[1:-1] if isinstance(value, str) and text.endswith("'") else text
 
 
 def _validate_train(t: TrainConfig) -> None:
@@ -284,7 +282,7 @@ def _validate_eval(e: EvalConfig, t: TrainConfig) -> None:
     _check(0 <= e.clients <= t.num_clients,
            f"eval.clients is how many clients are evaluated per evaluated round: 0 (all) up to train.num_clients="
            f"{t.num_clients}; got {e.clients}")
-    _check(e.protocol in PROTOCOLS, f"eval.protocol must be one of {', '.join(PROTOCOLS.names())}, got {e.protocol!r}")
+    _check(e.protocol in PROTOCOLS, f"eval.protocol must be one of {', '.join(PROTOCOLS.names())}, got {shown(e.protocol)}")
     _check(e.batch_size >= 1, f"eval.batch_size must be >= 1, got {e.batch_size}")
     _check(e.every >= 1 and e.last >= 0, "eval.every must be >= 1 and eval.last >= 0")
     _at_most(e.every, MAX_ROUNDS, "eval.every")
@@ -295,8 +293,8 @@ def _validate_eval(e: EvalConfig, t: TrainConfig) -> None:
 def _validate_execution(x: ExecutionConfig, t: TrainConfig) -> None:
     from raysim.sampling import participants
 
-    _check(x.backend in BACKEND_NAMES, f"execution.backend must be one of {', '.join(sorted(BACKEND_NAMES))}, got {x.backend!r}")
-    _check(x.placement in PLACEMENTS, f"execution.placement must be one of {', '.join(PLACEMENTS)}, got {x.placement!r}")
+    _check(x.backend in BACKEND_NAMES, f"execution.backend must be one of {', '.join(sorted(BACKEND_NAMES))}, got {shown(x.backend)}")
+    _check(x.placement in PLACEMENTS, f"execution.placement must be one of {', '.join(PLACEMENTS)}, got {shown(x.placement)}")
     _check(x.num_actors >= 0, f"execution.num_actors must be >= 0 (0 = automatic), got {x.num_actors}")
     _check(x.client_cpus >= 0 and x.server_cpus >= 0, "execution.client_cpus and execution.server_cpus must be >= 0")
     _check(0 <= x.client_gpus <= 1, f"execution.client_gpus is a fraction of one GPU per actor, in [0, 1]; got {x.client_gpus}")
@@ -306,7 +304,7 @@ def _validate_execution(x: ExecutionConfig, t: TrainConfig) -> None:
            f"(0 = as many as the host has CPUs, 1 = client by client), got {x.client_threads}")
     _check(x.max_actor_restarts >= 0, f"execution.max_actor_restarts must be >= 0, got {x.max_actor_restarts}")
     _check(x.on_client_error in ON_CLIENT_ERROR,
-           f"execution.on_client_error must be one of {', '.join(ON_CLIENT_ERROR)}, got {x.on_client_error!r}")
+           f"execution.on_client_error must be one of {', '.join(ON_CLIENT_ERROR)}, got {shown(x.on_client_error)}")
     _check(x.client_timeout >= 0 and not math.isnan(x.client_timeout),
            f"execution.client_timeout is in seconds and must be >= 0 (0 = no limit), got {x.client_timeout}")
     per_round = len(participants(t.seed, 0, t.num_clients, t.participation))
@@ -315,7 +313,7 @@ def _validate_execution(x: ExecutionConfig, t: TrainConfig) -> None:
            f"(num_clients={t.num_clients} x participation={t.participation}), got {x.min_clients}")
     _check(x.stack_size >= 1, f"execution.stack_size is the most clients trained in one stack and must be >= 1, got {x.stack_size} "
            "(execution.batch_clients=false trains client by client)")
-    _check(x.device in ("auto", "cpu", "cuda"), f"execution.device must be auto, cpu or cuda, got {x.device!r}")
+    _check(x.device in ("auto", "cpu", "cuda"), f"execution.device must be auto, cpu or cuda, got {shown(x.device)}")
     from raysim.models.clip import FastPaths
 
     fast = FastPaths(x.autocast, x.compile)
@@ -331,16 +329,16 @@ def _validate_dp(dp: DPConfig) -> None:
     _check(dp.epsilon > 0, f"dp.epsilon must be > 0 (inf turns DP off), got {dp.epsilon}")
     _check(0 < dp.delta < 1, f"dp.delta must be in (0, 1), got {dp.delta}")
     _check(dp.clip > 0, f"dp.clip must be > 0, got {dp.clip}")
-    _check(dp.accountant in ACCOUNTANTS, f"dp.accountant must be one of {', '.join(ACCOUNTANTS)}, got {dp.accountant!r}")
-    _check(dp.conversion in CONVERSIONS, f"dp.conversion must be one of {', '.join(CONVERSIONS)}, got {dp.conversion!r}")
+    _check(dp.accountant in ACCOUNTANTS, f"dp.accountant must be one of {', '.join(ACCOUNTANTS)}, got {shown(dp.accountant)}")
+    _check(dp.conversion in CONVERSIONS, f"dp.conversion must be one of {', '.join(CONVERSIONS)}, got {shown(dp.conversion)}")
     _check(dp.conversion == "tight" or dp.accountant == "rdp",
            "dp.conversion=classic converts an RDP curve to epsilon; it needs dp.accountant=rdp")
     _check(dp.microbatch >= 0, f"dp.microbatch must be >= 1, or 0 = sized from the graph's memory, got {dp.microbatch}")
     _check(dp.calibration in ("participated", "all_rounds"), "dp.calibration must be participated or all_rounds")
-    _check(dp.level in ("sample", "client"), f"dp.level must be sample or client, got {dp.level!r}")
-    _check(dp.sampling in ("poisson", "shuffle"), f"dp.sampling must be poisson or shuffle, got {dp.sampling!r}")
+    _check(dp.level in ("sample", "client"), f"dp.level must be sample or client, got {shown(dp.level)}")
+    _check(dp.sampling in ("poisson", "shuffle"), f"dp.sampling must be poisson or shuffle, got {shown(dp.sampling)}")
     protos = [n for n in MECHANISMS.names() if MECHANISMS.get(n).applied == "release" and n != "embedding"]
-    _check(dp.prototypes in protos, f"dp.prototypes must be one of {', '.join(protos)}, got {dp.prototypes!r}")
+    _check(dp.prototypes in protos, f"dp.prototypes must be one of {', '.join(protos)}, got {shown(dp.prototypes)}")
     _check(dp.proto_clip > 0, f"dp.proto_clip must be > 0, got {dp.proto_clip}")
     _check(0 < dp.vpp.rho <= 0.5, f"dp.vpp.rho must be in (0, 0.5], got {dp.vpp.rho}")
     _check(dp.vpp.H > 0, f"dp.vpp.H must be > 0, got {dp.vpp.H}")
@@ -354,5 +352,9 @@ def config_from_cli(config_file: str | None, overrides: list[str]) -> RunConfig:
 
 
 def config_from_yaml_text(text: str) -> RunConfig:
-    data = yaml.safe_load(text) or {}
+    from raysim.config.load import parse_yaml
+
+    data = parse_yaml(text, what="config text") or {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config text must hold a mapping of keys to values, got {shown(data)}")
     return build_config(data)

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 import yaml
 
 from raysim.config.schema import SECTIONS
-from raysim.errors import ConfigError
+from raysim.errors import ConfigError, one_line, shown
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,47 @@ for _section, _cls in SECTIONS.items():
         continue
     for _f in dataclasses.fields(_cls):
         RENAMED.setdefault(_f.name, f"{_section}.{_f.name}")
+
+
+class AliasRefused(yaml.YAMLError):
+    """A YAML alias (`*name`) in user input: refused, so a few hundred bytes cannot expand to gigabytes."""
+
+    def __init__(self, mark: Any) -> None:
+        super().__init__(f"line {mark.line + 1}, column {mark.column + 1}")
+        self.mark = mark
+
+
+class NoAliasLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses aliases (`*name`, and so `<<: *name` merges): an anchor is harmless
+    alone, but nine aliases of nine aliases of ... of a list expand to billions of items (a "billion laughs"
+    bomb) that every later step (the config check, its error message) would walk. Every YAML reader of
+    raysim goes through `parse_yaml` (tests/security/test_hostile_cli.py checks that none calls yaml.load)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            raise AliasRefused(self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+
+def _yaml_value(text: str) -> Any:
+    loader = NoAliasLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+def parse_yaml(text: str, *, what: str) -> Any:
+    """The value YAML `text` holds (safe types only, no aliases); anything unreadable is one ConfigError
+    naming `what` (a file, a key) and saying what to do, with nothing of the text repeated but its place."""
+    try:
+        return _yaml_value(text)
+    except AliasRefused as e:
+        raise ConfigError(f"{what}: YAML aliases (*name) are not accepted ({e}); write the value out in full") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} is not valid YAML: {one_line(str(e))}") from None
+    except (ValueError, RecursionError) as e:  # an integer of thousands of digits, a deeply nested document
+        raise ConfigError(f"{what} holds a value raysim cannot read ({one_line(str(e), 120)}); give a value of sensible size") from None
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
@@ -55,33 +96,33 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value.lower() in ("true", "yes", "1", "on")
         if isinstance(value, int) and value in (0, 1):
             return bool(value)
-        raise ConfigError(f"{key} must be true or false, got {value!r}")
+        raise ConfigError(f"{key} must be true or false, got {shown(value)}")
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise ConfigError(f"{key} must be an integer, got {value!r}")
+            raise ConfigError(f"{key} must be an integer, got {shown(value)}")
         if isinstance(value, int):
             return value
         try:
             f = float(value)
         except (ValueError, OverflowError):
-            raise ConfigError(f"{key} must be an integer, got {str(value)[:40]!r}") from None
+            raise ConfigError(f"{key} must be an integer, got {shown(value)}") from None
         if not f.is_integer():
-            raise ConfigError(f"{key} must be an integer, got {str(value)[:40]!r}")
+            raise ConfigError(f"{key} must be an integer, got {shown(value)}")
         return int(f)
     if tp is float:
         if isinstance(value, bool):
-            raise ConfigError(f"{key} must be a number, got {value!r}")
+            raise ConfigError(f"{key} must be a number, got {shown(value)}")
         try:
             return float(value)
         except (TypeError, ValueError, OverflowError):
-            raise ConfigError(f"{key} must be a number (use inf for infinity), got {value!r}") from None
+            raise ConfigError(f"{key} must be a number (use inf for infinity), got {shown(value)}") from None
     if tp is str:
         if isinstance(value, (dict, list)):
-            raise ConfigError(f"{key} must be a string, got {value!r}")
+            raise ConfigError(f"{key} must be a string, got {shown(value)}")
         return "" if value is None else str(value)
     if origin in (list, tuple):
         if isinstance(value, str):
-            value = yaml.safe_load(value)
+            value = parse_yaml(value, what=key)
         if not isinstance(value, (list, tuple)):
             value = [value]
         (inner, *_) = typing.get_args(tp) or (Any,)
@@ -99,11 +140,12 @@ def _build_dataclass(cls: type, values: Mapping[str, Any], prefix: str = "") -> 
             import difflib
 
             if not names:
-                raise ConfigError(f"unknown config key '{prefix}{key}': {prefix.rstrip('.') or 'this section'} takes no keys; remove it")
-            hint = difflib.get_close_matches(str(key), names, n=1)
+                raise ConfigError(f"unknown config key {shown(prefix + str(key))}: {prefix.rstrip('.') or 'this section'} takes no keys; "
+                                  "remove it")
+            hint = difflib.get_close_matches(str(key)[:100], names, n=1)
             extra = f" Did you mean {prefix}{hint[0]}?" if hint else ""
             raise ConfigError(
-                f"unknown config key '{prefix}{key}'.{extra} Valid keys: {', '.join(prefix + n for n in sorted(names))}."
+                f"unknown config key {shown(prefix + str(key))}.{extra} Valid keys: {', '.join(prefix + n for n in sorted(names))}."
             )
         if dataclasses.is_dataclass(hints[key]):
             if not isinstance(value, Mapping):
@@ -121,7 +163,7 @@ def set_dotted(d: dict[str, Any], key: str, value: Any) -> None:
     for p in parts[:-1]:
         nxt = node.setdefault(p, {})
         if not isinstance(nxt, dict):
-            raise ConfigError(f"{key}: {p} is not a section")
+            raise ConfigError(f"{shown(key)}: {shown(p)} is not a section")
         node = nxt
     node[parts[-1]] = value
 
@@ -160,17 +202,17 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
-            raise ConfigError(f"expected key=value, got {item!r} (for example train.rounds=5 or dp.epsilon=1.0)")
+            raise ConfigError(f"expected key=value, got {shown(item)} (for example train.rounds=5 or dp.epsilon=1.0)")
         key, raw = item.split("=", 1)
         key = key.strip()
         if not key:
-            raise ConfigError(f"empty key in {item!r}")
+            raise ConfigError(f"empty key in {shown(item)}")
         try:
-            value = yaml.safe_load(raw) if raw.strip() != "" else ""
-        except yaml.YAMLError:
+            value = _yaml_value(raw) if raw.strip() != "" else ""
+        except yaml.YAMLError:  # not YAML (or holding an alias, refused): the text itself, unexpanded
             value = raw
         except (ValueError, RecursionError) as e:  # an integer of thousands of digits, a deeply nested value
-            raise ConfigError(f"{key}: the value ({len(raw)} characters) cannot be read ({str(e)[:120]}); "
+            raise ConfigError(f"{shown(key)}: the value ({len(raw):,} characters) cannot be read ({one_line(str(e), 120)}); "
                               "give a value of sensible size") from None
         set_dotted(out, key, value)
     return out
@@ -202,12 +244,7 @@ def load_yaml(path: str | Path, *, root: str | Path | None = None) -> dict[str, 
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {e.start} is {raw[e.start]:#04x}); save it as UTF-8") from None
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
-    except (ValueError, RecursionError) as e:  # e.g. an integer of thousands of digits, a deeply nested document
-        raise ConfigError(f"config file {str(p)!r} holds a value raysim cannot read ({str(e)[:120]})") from None
+    data = parse_yaml(text, what=f"config file {str(p)!r}") or {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r} must hold a mapping of keys to values")
     return data
@@ -280,7 +317,7 @@ def check_sections(values: Mapping[str, Any], where: str) -> None:
     """A section given as a scalar (`train: 5`) is refused: merged with other input it would be dropped silently."""
     for key, value in values.items():
         if key in SECTIONS and key != "model" and value is not None and not isinstance(value, Mapping):
-            raise ConfigError(f"{where}: {key} is a section, not a value (got {str(value)[:40]!r}); write its keys under it, "
+            raise ConfigError(f"{where}: {key} is a section, not a value (got {shown(value)}); write its keys under it, "
                               f"e.g. {key}:\n  NAME: VALUE, or {key}.NAME=VALUE on the command line")
 
 

@@ -233,7 +233,15 @@ class RunConfig:
         return d
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(_yaml_safe(self.to_dict()), sort_keys=False)
+        return yaml.dump(_yaml_safe(self.to_dict()), Dumper=_PlainDumper, sort_keys=False)
+
+
+class _PlainDumper(yaml.SafeDumper):
+    """Writes every value out, never as an anchor and aliases: config.yaml is read back by a loader that
+    refuses aliases (raysim.config.load.NoAliasLoader)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
 
 
 def _yaml_safe(obj: Any) -> Any:

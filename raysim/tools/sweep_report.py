@@ -50,10 +50,10 @@ def trials_table(grid, spec: Mapping[str, Any]) -> "pandas.DataFrame":
                    "hm": m.get("summary_hm", math.nan)}
         rounds_done = int(m.get("round", -1)) + 1
         if (run_dir / "results.csv").is_file():  # the run's own files are the reference when readable here
-            import yaml
-
-            run_cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
             try:
+                from raysim.config import load_yaml
+
+                run_cfg = load_yaml(run_dir / "config.yaml", root=run_dir) if (run_dir / "config.yaml").is_file() else {}
                 last = (run_cfg.get("eval") or {}).get("last", run_cfg.get("eval_last", 5))
                 summary = summarize(run_dir / "results.csv", last=max(1, int(last)))
                 rounds_done = len(pd.read_csv(run_dir / "results.csv"))
