@@ -7,7 +7,9 @@
 A method entry is `name` or `name:key=value;key=value`: a key without a dot sets an option of the
 method's own section (`fedsept:rank=8`), a dotted key any config key for that entry only
 (`promptfl:train.ctx_init=`). `--grid key=v1,v2` adds a column group per value (several grids: their
-product); the remaining `key=value` arguments apply to every run. A spec file (YAML) holds the same:
+product); the remaining `key=value` arguments apply to every run. An entry's own keys win over all of these:
+an entry with its own train.rounds keeps it under --rounds (or a spec's rounds:), which sets every other
+entry's. A spec file (YAML) holds the same:
 
     title: ...
     layout: in_cross            # in_cross (FedSEPT) | fedtsp (FedTSP Table 1/3) | vpdr (VPDR Table 1)
@@ -26,7 +28,12 @@ comparison is resumable: a finished run is read back, an interrupted one is resu
 running the same command again completes a table without redoing work. A cell whose config equals an
 earlier cell's in all but its output folder (a no-DP row under a grid over dp.epsilon) is not run again: it
 reads that run (the log and the dry run say which). It writes OUT/table.md, table.csv and
-table.png (plus the layout's own figures) and prints the Markdown.
+table.png (plus the layout's own figures) and prints the Markdown. Ctrl-C stops it with exit code 130 and a
+line naming the --out to give to resume.
+
+Each entry's label names its folder: a label must hold letters or digits, must not be . or .., a path, or
+sanitise (every run of characters other than letters, digits, . _ - becomes _) to another label's folder.
+A comparison plans at most 10,000 runs (cells x entries x seeds), counted before anything is expanded.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from raysim.errors import ConfigError, RaysimError, os_error_line
+from raysim.errors import ConfigError, RaysimError, os_error_line, shown
 from raysim.tools.layouts import (  # noqa: F401 (the layouts and what they read live there; re-exported)
     LAYOUTS,
     CompareSpec,
@@ -63,7 +70,7 @@ def parse_entry(text: str) -> Entry:
 
     name, _, own = text.strip().partition(":")
     if not name:
-        raise ConfigError(f"--methods: empty method name in {text!r}; write name or name:key=value;key=value")
+        raise ConfigError(f"--methods: empty method name in {shown(text)}; write name or name:key=value;key=value")
     overrides: dict[str, Any] = {}
     for item in [kv for kv in own.split(";") if kv.strip()]:
         key = item.split("=", 1)[0].strip()
@@ -74,38 +81,48 @@ def parse_entry(text: str) -> Entry:
 def entry_from(item: Any) -> Entry:
     if isinstance(item, str):
         return parse_entry(item)
-    if isinstance(item, dict) and "method" in item:
+    if isinstance(item, dict) and isinstance(item.get("method"), str) and isinstance(item.get("label", ""), (str, int, float)):
         rest = {k: v for k, v in item.items() if k not in ("label", "method")}
         from raysim.config import move_flat_keys
 
         return Entry(label=str(item.get("label", item["method"])), method=str(item["method"]), overrides=move_flat_keys(rest))
-    raise ConfigError(f"methods: each entry is 'name[:key=value;...]' or a mapping with 'method' (and 'label'); got {item!r}")
+    raise ConfigError(f"methods: each entry is 'name[:key=value;...]' or a mapping with 'method' (and 'label'); got {shown(item)}")
 
 
 def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
-    import yaml
+    from raysim.config import parse_yaml
 
     grid: dict[str, list[Any]] = {}
     for item in items:
         key, sep, values = item.partition("=")
         if not sep or not key or not values:
-            raise ConfigError(f"--grid {item!r}: write key=v1,v2 (for example --grid data.beta=0.1,0.5,1.0)")
-        try:
-            grid[key.strip()] = [yaml.safe_load(v) for v in values.split(",")]
-        except (yaml.YAMLError, ValueError, RecursionError) as e:
-            raise ConfigError(f"--grid {item[:60]!r}: a value cannot be read ({str(e)[:120]})") from None
+            raise ConfigError(f"--grid {shown(item)}: write key=v1,v2 (for example --grid data.beta=0.1,0.5,1.0)")
+        texts = values.split(",")
+        if len(texts) > MAX_RUNS:  # one key's values alone exceed the runs a comparison may plan
+            raise ConfigError(f"--grid {shown(key)} lists {len(texts):,} values; a comparison plans at most {MAX_RUNS:,} runs")
+        grid[key.strip()] = [parse_yaml(v, what=f"--grid {shown(key)}") for v in texts]
     return grid
+
+
+def spec_list(value: Any, what: str) -> list[Any]:
+    """A spec's list (methods, seeds, a grid key's values): a list, or one value as a list of one, of at most
+    MAX_RUNS items (each is at least one run)."""
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if len(items) > MAX_RUNS:
+        raise ConfigError(f"{what} lists {len(items):,} items; a comparison plans at most {MAX_RUNS:,} runs")
+    return items
 
 
 def spec_from_args(argv: Sequence[str]) -> tuple[CompareSpec, argparse.Namespace]:
     from raysim.config import deep_merge, load_yaml, move_flat_key, move_flat_keys, parse_user_overrides
-    from raysim.config.load import check_sections, expand_dotted_keys
+    from raysim.config.load import _coerce, check_sections, expand_dotted_keys
 
     p = argparse.ArgumentParser(prog="raysim compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", default="", help="comma-separated entries: name or name:key=value;key=value")
     p.add_argument("--grid", action="append", default=[], help="key=v1,v2: a column group per value (repeatable)")
     p.add_argument("--layout", default="", help=f"table layout: {', '.join(LAYOUTS.names())}")
-    p.add_argument("--rounds", type=int, default=0, help="rounds of every run (default: the spec's or the config's)")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="rounds of every run but an entry that sets its own train.rounds (default: the spec's or the config's)")
     p.add_argument("--out", default="", help="folder of the runs and tables (default runs/compare-<time>)")
     p.add_argument("--title", default="")
     p.add_argument("--seeds", default="", help="comma-separated train.seed values: each run once per seed, cells mean ± std")
@@ -123,19 +140,31 @@ def spec_from_args(argv: Sequence[str]) -> tuple[CompareSpec, argparse.Namespace
     raw: dict[str, Any] = load_yaml(a.spec) if a.spec else {}
     unknown = set(raw) - {"title", "layout", "rounds", "methods", "grid", "setting", "seeds"}
     if unknown:
-        raise ConfigError(f"{a.spec}: unknown keys {sorted(unknown)}; a spec has title, layout, rounds, methods, grid, setting, seeds")
+        raise ConfigError(f"{a.spec}: unknown keys {shown(sorted(map(str, unknown)))}; a spec has title, layout, rounds, methods, "
+                          "grid, setting, seeds")
     if a.max_concurrent < 0:
         raise ConfigError(f"--max-concurrent must be >= 1 (or left out: as many as the cluster holds), got {a.max_concurrent}")
-    methods = [entry_from(m) for m in raw.get("methods", [])]
+    if a.rounds < 0:
+        raise ConfigError(f"--rounds must be >= 1 (or left out: the spec's or the config's), got {a.rounds}")
+    spec_rounds = _coerce(raw.get("rounds") or 0, int, f"{a.spec}: rounds")
+    if spec_rounds < 0:
+        raise ConfigError(f"{a.spec}: rounds must be >= 1 (or left out: the config's), got {spec_rounds}")
+    raw_grid = raw.get("grid") or {}
+    if not isinstance(raw_grid, dict):
+        raise ConfigError(f"{a.spec}: grid is a mapping of config keys to their values (grid: {{data.beta: [0.1, 0.5]}}), "
+                          f"got {shown(raw_grid)}")
+    for key in ("title", "layout"):
+        if not isinstance(raw.get(key, ""), (str, int, float)):
+            raise ConfigError(f"{a.spec}: {key} must be a string, got {shown(raw[key])}")
     if a.methods:
-        methods = [parse_entry(m) for m in a.methods.split(",") if m.strip()]
+        methods = [parse_entry(m) for m in spec_list(a.methods.split(","), "--methods") if m.strip()]
+    else:
+        methods = [entry_from(m) for m in spec_list(raw.get("methods") or [], f"{a.spec}: methods")]
     if not methods:
         raise ConfigError("compare: no methods; pass --methods promptfl,fedsept or a spec file with 'methods:'")
-    labels = [m.label for m in methods]
-    if len(set(labels)) != len(labels):
-        raise ConfigError(f"compare: two entries share a label ({labels}); give one a 'label' in the spec")
+    check_labels(methods)
     # the spec file and the command line are user input: old flat keys are moved into their sections here, once
-    grid = {move_flat_key(str(k)): list(v) if isinstance(v, list) else [v] for k, v in (raw.get("grid") or {}).items()}
+    grid = {move_flat_key(str(k)): spec_list(v, f"{a.spec}: grid {shown(k)}") for k, v in raw_grid.items()}
     grid.update({move_flat_key(k): v for k, v in parse_grid(a.grid).items()})
     raw_setting = raw.get("setting") or {}
     if not isinstance(raw_setting, dict):
@@ -143,7 +172,7 @@ def spec_from_args(argv: Sequence[str]) -> tuple[CompareSpec, argparse.Namespace
                           f"got {str(raw_setting)[:40]!r}")
     check_sections(raw_setting, f"{a.spec}: setting")
     setting = deep_merge(move_flat_keys(expand_dotted_keys(raw_setting)), parse_user_overrides(a.overrides))
-    rounds_given = a.rounds or raw.get("rounds", 0)
+    rounds_given = a.rounds or spec_rounds
     if "train.rounds" in grid and rounds_given:
         raise ConfigError(
             f"compare: --grid train.rounds={','.join(str(v) for v in grid['train.rounds'])} sets each column's rounds, and "
@@ -152,12 +181,45 @@ def spec_from_args(argv: Sequence[str]) -> tuple[CompareSpec, argparse.Namespace
         )
     layout = a.layout or str(raw.get("layout", "in_cross"))
     LAYOUTS.get(layout)  # unknown layout: a ConfigError naming the known ones
-    seeds = parse_seeds(a.seeds.split(",") if a.seeds else raw.get("seeds") or [])
+    seeds = parse_seeds(spec_list(a.seeds.split(",") if a.seeds else raw.get("seeds") or [], "seeds"))
     if "train.seed" in grid and seeds:
         raise ConfigError("compare: train.seed is both a --grid key and --seeds; seeds are replicates, pass them once as --seeds")
     spec = CompareSpec(methods=methods, grid=grid, setting=setting, layout=layout, seeds=seeds,
-                       rounds=int(a.rounds or raw.get("rounds", 0)), title=a.title or str(raw.get("title", "")))
+                       rounds=int(a.rounds or spec_rounds), title=a.title or str(raw.get("title", "")))
+    check_size(spec)
     return spec, a
+
+
+MAX_RUNS = 10_000  # runs one comparison may plan (cells x entries x seeds); each is a config built and checked first
+
+
+def check_size(spec: CompareSpec) -> None:
+    """Refuse a comparison of more than MAX_RUNS runs, counted from the grid's, the entries' and the seeds'
+    lengths before anything is expanded (10^6 seeds would otherwise be planned one config at a time)."""
+    n = spec.size()
+    if n > MAX_RUNS:
+        sizes = " x ".join([f"{len(spec.methods)} entries", *(f"{len(v)} {k}" for k, v in spec.grid.items()),
+                            f"{max(1, len(spec.seeds))} seeds"])
+        raise ConfigError(f"compare: {sizes} make {n:,} runs; a comparison plans at most {MAX_RUNS:,}: split it into "
+                          "several comparisons (several --out folders)")
+
+
+def check_labels(methods: Sequence[Entry]) -> None:
+    """Each entry's label names its folder OUT/<cell>/<slug(label)>: a label must give a plain folder name
+    (not empty, not . or .., not an absolute path or ~), and no two labels the same one once sanitised
+    ("x y" and "x_y" are both x_y) or the same label twice."""
+    seen: dict[str, str] = {}
+    for m in methods:
+        label = m.label
+        name = slug(label)
+        if not label.strip() or not re.search(r"[A-Za-z0-9]", label):
+            raise ConfigError(f"compare: the label {shown(label)} names no folder; give the entry a label with letters or digits")
+        if label.strip() in (".", "..") or name in (".", "..") or label.startswith(("/", "~", "\\")):
+            raise ConfigError(f"compare: the label {shown(label)} would name a folder outside --out; give the entry a plain label")
+        if name in seen:
+            same = "twice" if seen[name] == label else f"and {shown(seen[name])}: both are the folder {name!r}"
+            raise ConfigError(f"compare: the labels {shown(label)} {same} once sanitised; give one a 'label' of its own in the spec")
+        seen[name] = label
 
 
 def parse_seeds(items: Any) -> list[int]:
@@ -166,9 +228,9 @@ def parse_seeds(items: Any) -> list[int]:
     try:
         seeds = [int(str(s).strip()) for s in items if str(s).strip()]
     except ValueError:
-        raise ConfigError(f"seeds: write integers (--seeds 1,2,3 or seeds: [1, 2, 3]), got {items!r}") from None
+        raise ConfigError(f"seeds: write integers (--seeds 1,2,3 or seeds: [1, 2, 3]), got {shown(items)}") from None
     if len(set(seeds)) != len(seeds):
-        raise ConfigError(f"seeds: {seeds} repeats a seed")
+        raise ConfigError(f"seeds: {shown(seeds)} repeats a seed")
     return seeds
 
 
@@ -178,14 +240,14 @@ def slug(text: str) -> str:
 
 def run_values(spec: CompareSpec, entry: Entry, cell: dict[str, Any], out_dir: Path,
                seed: Optional[int] = None) -> dict[str, Any]:
-    from raysim.config import merge_config, unflatten
+    from raysim.config import get_dotted, merge_config, unflatten
 
     values = merge_config(spec.setting, {"method": entry.method})
     for k, v in cell.items():
         values = merge_config(values, unflatten({k: v}))
     values = merge_config(values, entry.overrides)
     extra: dict[str, Any] = {"output": {"out_dir": str(out_dir), "progress": False}}
-    if spec.rounds:
+    if spec.rounds and get_dotted(entry.overrides, "train.rounds") is None:  # an entry's own train.rounds wins
         extra["train"] = {"rounds": spec.rounds}
     if seed is not None:
         extra.setdefault("train", {})["seed"] = seed
@@ -216,14 +278,15 @@ def plan(spec: CompareSpec, out: Path) -> list[tuple[dict[str, Any], Entry, Path
     <entry>/seed-<s>/; one seed (or none) keeps the single-run folder <entry>/."""
     from raysim.config.checks import build_config
 
+    check_size(spec)  # before the grid is expanded
+    check_labels(spec.methods)
     cells = spec.cells()
     seeds: list[Optional[int]] = list(spec.seeds) or [None]
     todo = [(cell, entry, seed) for cell in cells for entry in spec.methods for seed in seeds]
+    folders = [run_folder(out, cell, entry, seed if len(seeds) > 1 else None) for cell, entry, seed in todo]
+    check_folders(out, todo, folders)
     configs: list[tuple[dict[str, Any], Entry, Path, Any]] = []
-    for cell, entry, seed in todo:
-        folder = out / (slug(cell_label(cell)) if cell else "") / slug(entry.label)
-        if len(seeds) > 1:
-            folder = folder / f"seed-{seed}"
+    for (cell, entry, seed), folder in zip(todo, folders):
         values = run_values(spec, entry, cell, folder, seed)
         try:
             configs.append((cell, entry, folder, build_config(values)))
@@ -231,6 +294,30 @@ def plan(spec: CompareSpec, out: Path) -> list[tuple[dict[str, Any], Entry, Path
             where = f" ({cell_label(cell)})" if cell else ""
             raise ConfigError(f"compare entry {entry.label!r}{where}: {e}") from None
     return configs
+
+
+def run_folder(out: Path, cell: dict[str, Any], entry: Entry, seed: Optional[int]) -> Path:
+    """OUT/<cell>/<entry>/[seed-<s>/] of one run (no <cell> part without a grid)."""
+    folder = out / (slug(cell_label(cell)) if cell else "") / slug(entry.label)
+    return folder / f"seed-{seed}" if seed is not None else folder
+
+
+def check_folders(out: Path, todo: Sequence[tuple[dict[str, Any], Entry, Optional[int]]], folders: Sequence[Path]) -> None:
+    """Every run gets a folder of its own inside `out`: two grid values that sanitise alike (data.ctx "x y"
+    and "x_y") would share one, and are refused naming both."""
+    root = out.resolve()
+    seen: dict[Path, int] = {}
+    for i, folder in enumerate(folders):
+        if root not in folder.resolve().parents:
+            raise ConfigError(f"compare: the run {shown(str(folder))} would be written outside --out {shown(str(out))}; "
+                              "give its entry a plain label")
+        if folder in seen:
+            (cell_a, entry_a, _), (cell_b, entry_b, _) = todo[seen[folder]], todo[i]
+            a = f"{entry_a.label} [{cell_label(cell_a)}]" if cell_a else entry_a.label
+            b = f"{entry_b.label} [{cell_label(cell_b)}]" if cell_b else entry_b.label
+            raise ConfigError(f"compare: {shown(a)} and {shown(b)} would both be written to {shown(str(folder))} (their labels or "
+                              "grid values are the same once sanitised); make them differ in letters or digits")
+        seen[folder] = i
 
 
 def same_runs(configs: Sequence[tuple[dict[str, Any], Entry, Path, Any]]) -> dict[int, int]:
@@ -380,6 +467,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{len(runs) - len(same)} runs for {len(runs)} cells, layout {spec.layout}", file=sys.stderr)
             return 0
         records = execute(spec, out, log=lambda s: print(s, file=sys.stderr, flush=True), max_concurrent=args.max_concurrent)
+    except KeyboardInterrupt:
+        print(f"interrupted: every finished run and completed round in {out} is kept; run the same command with --out {out} "
+              "to resume", file=sys.stderr)
+        return 130
     except RaysimError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -388,6 +479,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         text = write_outputs(records, spec, out)
+    except KeyboardInterrupt:
+        print(f"interrupted: every run is finished; run the same command with --out {out} to write the tables", file=sys.stderr)
+        return 130
     except OSError as e:
         print(f"error: {os_error_line(e)}", file=sys.stderr)
         return 2

@@ -37,6 +37,10 @@ class CompareSpec:
     title: str = ""
     seeds: list[int] = field(default_factory=list)  # replicates (train.seed); [] = the config's own seed, once
 
+    def size(self) -> int:
+        """How many runs the comparison plans (cells x entries x seeds), counted without expanding the grid."""
+        return math.prod(len(v) for v in self.grid.values()) * len(self.methods) * max(1, len(self.seeds))
+
     def cells(self) -> list[dict[str, Any]]:
         """The grid's product, in order: one column group each ([{}] without a grid)."""
         keys = list(self.grid)

@@ -50,7 +50,7 @@ from raysim.config import (
 )
 from raysim.config.checks import build_config
 from raysim.engine.cluster import init_ray, plan_hosts
-from raysim.errors import ConfigError
+from raysim.errors import ConfigError, shown
 from raysim.tools.sweep_report import _yaml_value, markdown_table, plot_paths, trials_table, write_outputs, write_plots  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,7 @@ METRICS = (
 # config keys a sweep sets itself, per trial
 TRIAL_OWNED = ("out_dir", "resume")
 MIN_BUNDLE_CPU = 0.01  # Ray rejects empty bundles; the trial driver mostly waits on its actors
+MAX_SWEEP_VALUES = 10_000  # values of one swept key, and num_samples: each value is checked as a config here
 TABLE_METRICS = ("in_client", "cross_client", "hm", "epsilon_spent", "rounds_done", "wall_s")
 
 
@@ -82,11 +83,11 @@ def _did_you_mean(key: str, choices: Sequence[str]) -> str:
 
 def _number(v: Any, what: str) -> float:
     if isinstance(v, bool):
-        raise ConfigError(f"{what} must be a number, got {v!r}")
+        raise ConfigError(f"{what} must be a number, got {shown(v)}")
     try:
         return float(v)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{what} must be a number, got {v!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{what} must be a number, got {shown(v)}") from None
 
 
 def validate_sweep(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -112,7 +113,7 @@ def _with_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
     for key in spec:
         if key not in SWEEP_KEYS:
             raise ConfigError(
-                f"unknown sweep key {key!r}.{_did_you_mean(str(key), SWEEP_KEYS)} "
+                f"unknown sweep key {shown(key)}.{_did_you_mean(str(key)[:100], SWEEP_KEYS)} "
                 f"Valid sweep keys: {', '.join(SWEEP_KEYS)} (config keys go under base: or space:)."
             )
     out: dict[str, Any] = {
@@ -127,7 +128,7 @@ def _check_base(base: Any) -> tuple[dict[str, Any], RunConfig]:
     """base: as config values ('inf' read as infinity), and the config it builds."""
     base = base or {}
     if not isinstance(base, Mapping):
-        raise ConfigError("base: must be a mapping of config keys (e.g. method: promptfl)")
+        raise ConfigError(f"base: must be a mapping of config keys (e.g. method: promptfl), got {shown(base)}")
     base = move_flat_keys({k: _yaml_value(v) for k, v in base.items()})
     for k in TRIAL_OWNED:
         if (base.get("output") or {}).get(k):
@@ -151,11 +152,13 @@ def _check_dimension(base: Mapping[str, Any], key: str, dist: Any) -> dict[str, 
     if not isinstance(dist, Mapping) or len(dist) != 1 or next(iter(dist)) not in DISTRIBUTIONS:
         raise ConfigError(
             f"space: {key} must be one of {{grid: [...]}}, {{choice: [...]}}, {{uniform: [lo, hi]}}, "
-            f"{{loguniform: [lo, hi]}}; got {dist!r}"
+            f"{{loguniform: [lo, hi]}}; got {shown(dist)}"
         )
     kind, values = next(iter(dist.items()))
     if not isinstance(values, (list, tuple)) or not values:
-        raise ConfigError(f"space: {key}.{kind} must be a non-empty list, got {values!r}")
+        raise ConfigError(f"space: {key}.{kind} must be a non-empty list, got {shown(values)}")
+    if len(values) > MAX_SWEEP_VALUES:
+        raise ConfigError(f"space: {key}.{kind} lists {len(values):,} values; a sweep takes at most {MAX_SWEEP_VALUES:,} per key")
     values = [_yaml_value(v) for v in values]
     if kind in ("uniform", "loguniform"):
         values = _check_range(key, kind, values)
@@ -165,16 +168,16 @@ def _check_dimension(base: Mapping[str, Any], key: str, dist: Any) -> dict[str, 
         try:
             build_config(trial)
         except ConfigError as e:
-            raise ConfigError(f"space: {key}={v!r}: {e}") from None
+            raise ConfigError(f"space: {key}={shown(v)}: {e}") from None
     return {kind: values}
 
 
 def _check_range(key: str, kind: str, values: list[Any]) -> list[float]:
     if len(values) != 2:
-        raise ConfigError(f"space: {key}.{kind} takes [lo, hi], got {values!r}")
+        raise ConfigError(f"space: {key}.{kind} takes [lo, hi], got {shown(values)}")
     lo, hi = (_number(v, f"space: {key}.{kind} bound") for v in values)
     if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
-        raise ConfigError(f"space: {key}.{kind} needs finite lo < hi, got {values!r}")
+        raise ConfigError(f"space: {key}.{kind} needs finite lo < hi, got {shown(values)}")
     if kind == "loguniform" and lo <= 0:
         raise ConfigError(f"space: {key}.loguniform needs lo > 0, got {lo}")
     return [lo, hi]
@@ -182,11 +185,13 @@ def _check_range(key: str, kind: str, values: list[Any]) -> list[float]:
 
 def _check_objective(out: Mapping[str, Any]) -> None:
     if not isinstance(out["num_samples"], int) or isinstance(out["num_samples"], bool) or out["num_samples"] < 1:
-        raise ConfigError(f"num_samples must be an integer >= 1, got {out['num_samples']!r}")
-    if out["metric"] not in METRICS:
-        raise ConfigError(f"metric must be one of {', '.join(METRICS)}, got {out['metric']!r}")
-    if out["mode"] not in ("max", "min"):
-        raise ConfigError(f"mode must be max or min, got {out['mode']!r}")
+        raise ConfigError(f"num_samples must be an integer >= 1, got {shown(out['num_samples'])}")
+    if out["num_samples"] > MAX_SWEEP_VALUES:
+        raise ConfigError(f"num_samples is at most {MAX_SWEEP_VALUES:,}, got {out['num_samples']:,}")
+    if not isinstance(out["metric"], str) or out["metric"] not in METRICS:
+        raise ConfigError(f"metric must be one of {', '.join(METRICS)}, got {shown(out['metric'])}")
+    if not isinstance(out["mode"], str) or out["mode"] not in ("max", "min"):
+        raise ConfigError(f"mode must be max or min, got {shown(out['mode'])}")
 
 
 def _check_asha(asha: Any, rounds: int) -> dict[str, Any]:
@@ -195,12 +200,12 @@ def _check_asha(asha: Any, rounds: int) -> dict[str, Any]:
         raise ConfigError("asha: must be a mapping with max_t, grace_period, reduction_factor")
     for k in asha:
         if k not in ASHA_KEYS:
-            raise ConfigError(f"unknown asha key {k!r}.{_did_you_mean(str(k), ASHA_KEYS)} Valid: {', '.join(ASHA_KEYS)}")
+            raise ConfigError(f"unknown asha key {shown(k)}.{_did_you_mean(str(k)[:100], ASHA_KEYS)} Valid: {', '.join(ASHA_KEYS)}")
     asha = {"max_t": rounds, "grace_period": 1, "reduction_factor": 2, **asha}
     for k in ASHA_KEYS:
         v = asha[k]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 1:
-            raise ConfigError(f"asha.{k} must be a number >= 1, got {v!r}")
+            raise ConfigError(f"asha.{k} must be a number >= 1, got {shown(v)}")
     if asha["grace_period"] > asha["max_t"]:
         raise ConfigError(f"asha.grace_period ({asha['grace_period']}) must be <= asha.max_t ({asha['max_t']})")
     if asha["reduction_factor"] <= 1:
@@ -213,12 +218,15 @@ def _check_run_keys(out: dict[str, Any]) -> None:
     """max_concurrent, restore and name (made a plain string, as storage)."""
     mc = out["max_concurrent"]
     if mc is not None and (isinstance(mc, bool) or not isinstance(mc, int) or mc < 1):
-        raise ConfigError(f"max_concurrent must be an integer >= 1 (or null for what the cluster holds), got {mc!r}")
+        raise ConfigError(f"max_concurrent must be an integer >= 1 (or null for what the cluster holds), got {shown(mc)}")
     if not isinstance(out["restore"], bool):
-        raise ConfigError(f"restore must be true or false, got {out['restore']!r}")
+        raise ConfigError(f"restore must be true or false, got {shown(out['restore'])}")
+    for key in ("name", "storage", "description"):
+        if not isinstance(out[key], (str, int, float)) or isinstance(out[key], bool):
+            raise ConfigError(f"{key} must be a string, got {shown(out[key])}")
     name = str(out["name"])
     if not name or "/" in name or name in (".", ".."):
-        raise ConfigError(f"name must be a plain folder name, got {name!r}")
+        raise ConfigError(f"name must be a plain folder name, got {shown(name)}")
     out["name"], out["storage"] = name, str(out["storage"])
 
 
@@ -262,6 +270,8 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any
     """Read a sweep file; `key=value` overrides go to the sweep (name=, storage=, restore=, ...) when the
     key is a sweep key and to `base:` otherwise (rounds=2, address=auto, dp.delta=1e-6, ...)."""
     spec = dict(load_yaml(path))
+    if not isinstance(spec.get("base") or {}, Mapping):
+        raise ConfigError(f"{path}: base: must be a mapping of config keys (e.g. base: {{method: promptfl}}), got {shown(spec['base'])}")
     items = [o for o in overrides if o != "--resume"]
     if len(items) != len(overrides):
         spec["restore"] = True
