@@ -13,7 +13,7 @@ import os
 from typing import Any, Iterator
 
 from raysim.config import RunConfig
-from raysim.errors import ConfigError
+from raysim.errors import ConfigError, shown
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,43 @@ def _loopback_node() -> Iterator[None]:
             os.environ[LOCAL_ONLY_ENV] = old_env
 
 
+PROBE_SECONDS = 5.0  # how long a cluster's head may take to accept a TCP connection before ray.init is tried
+
+
+def head_endpoint(address: str) -> tuple[str, int] | None:
+    """(host, port) of an explicit cluster address (HOST:PORT, [IPv6]:PORT, ray://HOST:PORT), None for the
+    addresses Ray resolves itself ("", "local", "auto"). A malformed one is a ConfigError naming it."""
+    if address in ("", "local", "auto"):
+        return None
+    rest = address.split("://", 1)[1] if "://" in address else address
+    host, sep, port = rest.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"execution.address={shown(address)} is not HOST:PORT (e.g. 192.168.1.5:6379), auto or local")
+    return host, int(port)
+
+
+def probe_head(address: str, *, timeout: float = PROBE_SECONDS, what: str = "execution.address") -> None:
+    """A TCP connection to the head of `address` within `timeout` seconds, before ray.init: ray.init itself
+    waits without end on an address where nothing answers (a stopped cluster, a wrong or unroutable host).
+    Nothing answering is a ConfigError naming the address."""
+    import socket
+
+    endpoint = head_endpoint(address)
+    if endpoint is None:
+        return
+    try:
+        with socket.create_connection(endpoint, timeout=timeout):
+            pass
+    except OSError as e:  # refused, timed out, no route, unknown host
+        why = "no answer" if isinstance(e, TimeoutError) else (e.strerror or type(e).__name__)
+        raise ConfigError(
+            f"{what}={shown(address)}: no Ray cluster answers at {endpoint[0]}:{endpoint[1]} within {timeout:g} s "
+            f"({why}); start the cluster (ray start --head), or fix execution.address (auto on a node of the cluster, "
+            "else HOST:PORT of its head; empty: a local cluster)"
+        ) from None
+
+
 def init_ray(address: str = "", *, num_cpus: int | None = None, log_to_driver: bool = True, dashboard: bool = False) -> bool:
     """Join or start Ray. `address` "" joins the cluster `ray start --head` runs on this machine when one
     is up (or RAY_ADDRESS's, when set), else starts a local cluster with `num_cpus` (default: every core
@@ -143,6 +180,8 @@ def init_ray(address: str = "", *, num_cpus: int | None = None, log_to_driver: b
     with _quiet_auth_notice():
         if found:  # as Ray finds it (RAY_ADDRESS, else the recorded local cluster, whose token Ray then uses)
             log.info("joining the running Ray cluster at %s (execution.address=local starts a new one)", found)
+            if os.environ.get("RAY_ADDRESS"):
+                probe_head(found, what="RAY_ADDRESS")
             try:
                 ray.init(**kwargs)
                 return True
@@ -163,6 +202,7 @@ def init_ray(address: str = "", *, num_cpus: int | None = None, log_to_driver: b
 
             start_reaper()  # the cluster's processes end with this driver, even on kill -9 (raysim/engine/reaper.py)
             return True
+        probe_head(address)
         try:
             ray.init(address=address, **kwargs)
         except ConnectionError as e:

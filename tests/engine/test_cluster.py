@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from raysim.config.checks import build_config
+from raysim.engine import cluster
 from raysim.engine.cluster import AUTH_LOGGER, _quiet_auth_notice, init_ray, plan_hosts
 from raysim.errors import ConfigError
 
@@ -87,6 +88,7 @@ def test_a_cluster_that_cannot_be_reached_ends_in_one_message(monkeypatch):
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(cluster, "probe_head", lambda address, **kw: None)  # never a packet to a non-loopback host
     with pytest.raises(ConfigError, match="address=10.0.0.9:6379.*RAY_AUTH_MODE=token"):
         init_ray("10.0.0.9:6379")
 
