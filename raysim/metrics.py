@@ -70,6 +70,31 @@ class CsvTable:
             w.writerows(rows)
 
 
+TB_WRITER_THREAD = "_AsyncWriterThread"  # tensorboard.summary.writer.event_file_writer's background writer
+
+
+def _quiet_writer_thread_errors() -> None:
+    """TensorBoard writes event files from a thread of its own; when a write fails (a full disk) the thread keeps
+    the error, which the run's next add_scalar / flush raises in the main thread (and the front door reports as one
+    line), and dies printing its traceback through threading.excepthook. That second copy, a traceback, is dropped
+    here (logged at debug level); every other thread's exception is printed as before."""
+    import threading
+
+    previous = threading.excepthook
+    if getattr(previous, "raysim_quiet_tb", False):
+        return
+
+    def hook(args: Any) -> None:
+        thread = args.thread
+        if type(thread).__name__ == TB_WRITER_THREAD and getattr(thread, "exception", None) is args.exc_value:
+            log.debug("TensorBoard's writer thread stopped: %s (raised again in the run)", args.exc_value)
+            return
+        previous(args)
+
+    hook.raysim_quiet_tb = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 class RunLogger:
     def __init__(self, out_dir: Path, *, tensorboard: bool, hparams: Optional[dict[str, Any]] = None,
                  extra_columns: tuple[str, ...] = ()) -> None:
@@ -82,6 +107,7 @@ class RunLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
+            _quiet_writer_thread_errors()
             self.tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
             if hparams:
                 self.tb.add_text("config", "\n".join(f"    {k}: {v}" for k, v in sorted(hparams.items())), 0)

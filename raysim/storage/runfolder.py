@@ -16,12 +16,15 @@ The engine writes through the same folder layout (StateStore); nothing here impo
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, Optional
 
 from raysim.errors import ConfigError, RunFolderLocked
 from raysim.storage.store import LOCK_NAME, RunLock, StateStore
+
+log = logging.getLogger(__name__)
 
 CONFIG = "config.yaml"
 RESULTS = "results.csv"
@@ -261,6 +264,10 @@ class RunFolder:
                 f"{path} is truncated: the run completed rounds 0 to {done} (state/progress.json) but it has no row for "
                 f"round(s) {shown}; {redo}"
             )
+        past = sorted(set(rounds[rounds > done].tolist()))
+        if past:  # a round the run did not complete (cut off before its checkpoint) or rows written by hand
+            log.warning("%s: ignoring %d row(s) of round(s) %s, past the last completed round %d (state/progress.json)",
+                        path, int((rounds > done).sum()), ", ".join(map(str, past[:5])) + (" ..." if len(past) > 5 else ""), done)
         return df[rounds <= done]
 
     # -- the run rebuilt: method, data, client environment ------------------------------------------------

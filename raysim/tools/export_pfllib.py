@@ -12,10 +12,37 @@ folder back unchanged (tests/data/test_pfllib_folder.py round-trips it).
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
-from typing import Optional, Sequence
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from raysim.errors import DataError
 
 USAGE = "raysim export-pfllib OUT [--config F] [--image-size S] [key=value ...]"
+MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 16, 512  # the zoo's smallest input; 512 already holds 256x the floats of 32
+
+
+def write_atomically(out: str | Path, write: Callable[[Path], Any]) -> Path:
+    """`write(tmp)` fills a new temporary folder beside `out` (same file system), which is then renamed to
+    `out`: a failure part-way (a full disk, Ctrl-C) leaves no half-written `out` to block a re-run, and the
+    temporary folder goes too. `out` must not exist, or be an empty folder (it is replaced)."""
+    out = Path(out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DataError(f"{out} exists and is not an empty folder; export into a new folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(tmp)
+        if out.is_dir():
+            out.rmdir()  # empty (checked above); a rename needs the name free
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
 
 
 def export_split(cfg, out: str, *, image_size: int = 32) -> str:
@@ -39,7 +66,7 @@ def export_split(cfg, out: str, *, image_size: int = 32) -> str:
             "normalisation": "CLIP mean/std (raysim.data.base.CLIP_MEAN / CLIP_STD)",
         },
     }
-    return str(write_folder(out, train, test, num_classes=len(fed.classnames), extra=extra))
+    return str(write_atomically(out, lambda tmp: write_folder(tmp, train, test, num_classes=len(fed.classnames), extra=extra)))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -49,15 +76,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 description="Write a raysim split (any dataset and partition, with its seed) as a PFLlib folder.")
     p.add_argument("out", help="the folder to write (new or empty)")
     p.add_argument("--config", default=None, help="a run config file (YAML)")
-    p.add_argument("--image-size", type=int, default=32, help="side of the square images written (default 32)")
+    p.add_argument("--image-size", type=int, default=32,
+                   help=f"side of the square images written, {MIN_IMAGE_SIZE} to {MAX_IMAGE_SIZE} (default 32)")
     p.add_argument("overrides", nargs="*", help="key=value overrides (data.dataset=digits data.partition=dirichlet ...)")
-    args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = p.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))  # OUT --image-size S k=v works too
     try:
         from raysim.config.checks import config_from_cli
         from raysim.errors import ConfigError
 
-        if args.image_size < 16:
-            raise ConfigError(f"--image-size must be at least 16 (the zoo's smallest input), got {args.image_size}")
+        if not MIN_IMAGE_SIZE <= args.image_size <= MAX_IMAGE_SIZE:
+            raise ConfigError(f"--image-size must be between {MIN_IMAGE_SIZE} (the zoo's smallest input) and {MAX_IMAGE_SIZE} "
+                              f"(every image is held in memory as 3 x S x S floats), got {args.image_size}")
         cfg = config_from_cli(args.config, args.overrides)
         if cfg.data.dataset == "pfllib":
             raise ConfigError("data.dataset=pfllib is already a PFLlib folder; copy it instead of exporting it")

@@ -31,7 +31,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python raysim/run.py
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser(prog).parse_args(argv)
+    args = build_parser(prog).parse_intermixed_args(argv)  # options and key=value in any order (k=v --config F)
     from raysim.errors import RaysimError
 
     cfg = None
@@ -62,16 +62,25 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python raysim/run.py
         from raysim.errors import os_error_line
 
         where = (cfg.output.out_dir if cfg is not None else "") or ""
-        print(f"error: {os_error_line(e, where, resume=where if cfg is not None else '')}", file=sys.stderr)
+        print(f"error: {os_error_line(e, where, resume=_resumable(where), again=not _resumable(where))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        where = (cfg.output.out_dir if cfg is not None else "") or "OUT_DIR"
-        print(f"interrupted: every completed round is saved; continue with output.resume={where}", file=sys.stderr)
+        where = _resumable((cfg.output.out_dir if cfg is not None else "") or "")
+        print(f"interrupted: every completed round is saved; continue with output.resume={where}" if where else
+              "interrupted before the run folder held a run: nothing was kept; run the command again", file=sys.stderr)
         return 130
     print()
     print((result.out_dir / "summary.md").read_text())
     print(f"outputs: {result.out_dir}  (tensorboard --logdir {result.out_dir / 'tensorboard'})")
     return 0
+
+
+def _resumable(out_dir: str) -> str:
+    """`out_dir` when it holds a run that output.resume can continue (its config.yaml is there), else "": a run
+    that failed while starting removes what it wrote, so a hint to resume it would name a folder that is gone."""
+    from raysim.storage.runfolder import RunFolder
+
+    return out_dir if out_dir and RunFolder(out_dir).is_run() else ""
 
 
 if __name__ == "__main__":
