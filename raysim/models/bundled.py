@@ -84,6 +84,8 @@ def register(out: str | os.PathLike) -> str:
     """Register the model config saved in `out` (a `raysim pretrain` folder) with open_clip; return its name."""
     out = Path(os.path.expanduser(str(out)))
     name = json.loads((out / META).read_text())["model_name"]
+    if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+        raise ValueError(f"model_name must be a plain file name, got {name!r:.80}")
     _add_config(name, localise_config(json.loads((out / f"{name}.json").read_text())))
     return name
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from raysim.errors import ConfigError, DataError
+from raysim.errors import ConfigError, DataError, one_line, shown
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 BUNDLED_MODEL = "raysim-clip2"  # the small CLIP this project pretrains on generated data and ships (the default)
@@ -152,10 +152,16 @@ def load_clip(spec: ModelSpec, device: str | torch.device = "cpu") -> OpenClipMo
                     model = open_clip.create_model(spec.model, pretrained=pretrained, device="cpu", precision="fp32")
             finally:
                 logging.disable(previous)
-        except (RuntimeError, OSError) as e:  # offline hub, corrupt file
-            if pretrained and not Path(pretrained).is_file():
+        except Exception as e:  # offline hub; a local file that is no checkpoint of this model (any error reading it)
+            if pretrained and Path(pretrained).is_file():
                 raise DataError(
-                    f"could not load open_clip weights {spec.model}/{pretrained} ({e.__class__.__name__}: {e}). "
+                    f"model.pretrained={shown(spec.pretrained)} cannot be loaded as {spec.model} weights "
+                    f"({type(e).__name__}: {one_line(str(e), 120) or 'no details'}); pass a checkpoint of model.name={spec.model} "
+                    "(an open_clip state dict, a folder written by raysim pretrain) or leave model.pretrained empty"
+                ) from None
+            if pretrained and isinstance(e, (RuntimeError, OSError)):
+                raise DataError(
+                    f"could not load open_clip weights {spec.model}/{pretrained} ({e.__class__.__name__}: {one_line(str(e))}). "
                     "Without internet, download the checkpoint elsewhere and pass model.pretrained=/path/to/file.pt."
                 ) from None
             raise
@@ -172,7 +178,12 @@ def pretrain_folder_checkpoint(folder: Path, model: str) -> Path:
             f"model.pretrained={folder} is a folder but not one written by `raysim pretrain` "
             f"(no {bundled.META} and {bundled.CHECKPOINT}); pass a checkpoint file or such a folder"
         )
-    name = bundled.register(folder)
+    try:
+        name = bundled.register(folder)
+    except Exception as e:  # a hand-edited or damaged folder: its JSON unreadable, the model config it names missing
+        raise DataError(f"model.pretrained={shown(str(folder))}: its {bundled.META} and model config cannot be read "
+                        f"({type(e).__name__}: {one_line(str(e), 120) or 'no details'}); run raysim pretrain again, or pass "
+                        "a checkpoint file") from None
     if model != name:
         raise ConfigError(f"model.pretrained={folder} holds a {name} model; pass model.name={name}")
     return folder / bundled.CHECKPOINT
