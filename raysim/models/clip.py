@@ -66,7 +66,7 @@ class FastPaths:
 
     def check(self, device: str | torch.device) -> None:
         if self.autocast not in AUTOCAST:
-            raise ConfigError(f"execution.autocast must be one of {', '.join(AUTOCAST)}, got {self.autocast!r}")
+            raise ConfigError(f"execution.autocast must be one of {', '.join(AUTOCAST)}, got {shown(self.autocast)}")
         if self.autocast == "fp16" and torch.device(device).type != "cuda":
             raise ConfigError(
                 "execution.autocast=fp16 runs the text tower in float16, which needs a GPU (CPUs have no fast float16 "
@@ -115,9 +115,9 @@ def load_clip(spec: ModelSpec, device: str | torch.device = "cpu") -> OpenClipMo
     if spec.model not in open_clip.list_models():
         import difflib
 
-        hint = difflib.get_close_matches(spec.model, open_clip.list_models(), n=3)
+        hint = difflib.get_close_matches(spec.model[:100], open_clip.list_models(), n=3)
         raise ConfigError(
-            f"unknown model {spec.model!r} (an open_clip model name). "
+            f"unknown model {shown(spec.model)} (an open_clip model name). "
             + (f"Close matches: {', '.join(hint)}. " if hint else "")
             + "Use raysim-tiny for a small random model, or e.g. ViT-B-16."
         )
@@ -133,12 +133,12 @@ def load_clip(spec: ModelSpec, device: str | torch.device = "cpu") -> OpenClipMo
         if path.is_file():
             pretrained = str(path)
         elif any(c in pretrained for c in "/\\") or path.suffix in (".pt", ".pth", ".bin", ".safetensors"):
-            raise DataError(f"pretrained checkpoint {pretrained!r} does not exist")
+            raise DataError(f"pretrained checkpoint {shown(pretrained)} does not exist")
         else:
             tags = open_clip.list_pretrained_tags_by_model(spec.model)
             if pretrained not in tags:
                 raise ConfigError(
-                    f"{spec.model} has no pretrained tag {pretrained!r}; open_clip knows: {', '.join(tags) or 'none'}. "
+                    f"{spec.model} has no pretrained tag {shown(pretrained)}; open_clip knows: {', '.join(tags) or 'none'}. "
                     "Or pass a local checkpoint path."
                 )
     with torch.random.fork_rng(devices=[]):
