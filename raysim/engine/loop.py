@@ -15,7 +15,7 @@ import numpy as np
 
 from raysim.config import RunConfig, flatten
 from raysim.data.prepare import client_domains, materialize_images, prepare_data  # noqa: F401 (moved there; re-exported)
-from raysim.errors import ConfigError
+from raysim.errors import ConfigError, shown
 from raysim.metrics import RunLogger, harmonic_mean, summary_table
 from raysim.sampling import eval_clients, participants
 from raysim.storage.runfolder import RunFolder
@@ -107,7 +107,7 @@ def resolve_out_dir(cfg: RunConfig) -> tuple[Path, int]:
         allowed = cfg.resumable_keys()
         for k, v in flat_config(cfg).items():
             if k not in allowed and saved.get(k) != v:
-                raise ConfigError(f"resume: {k}={v!r} differs from the resumed run's {saved.get(k)!r}")
+                raise ConfigError(f"resume: {k}={shown(v)} differs from the resumed run's {shown(saved.get(k))}")
         cfg.output.out_dir = str(folder.path)
         return folder.path, folder.completed_round()
     folder = RunFolder(cfg.output.out_dir or f"runs/{cfg.method}-{cfg.data.dataset}-{datetime.now():%Y%m%d-%H%M%S}")

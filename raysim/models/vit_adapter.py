@@ -34,10 +34,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from raysim.errors import ConfigError
+from raysim.errors import ConfigError, one_line, shown
 
 BUNDLED_VIT = "raysim-vit"
 VIT_ASSET_DIR = Path(__file__).resolve().parents[1] / "assets" / BUNDLED_VIT
+MAX_HF_CONFIG_BYTES = 1 << 20  # a transformers config.json is a few KB
+MAX_IMAGE_SIZE = 4096
 FEATURE_DIM = 512
 # adapter bottleneck width by ViT width (SPEC 3.6: 8 tiny, 16 small, 32 base); others: embed // 24, at least 8
 ADAPTER_DIM_BY_WIDTH = {192: 8, 384: 16, 768: 32}
@@ -188,7 +190,11 @@ class TorchvisionResNet(Backbone):
             path = Path(os.path.expanduser(weights))
             if not path.is_file():
                 raise ConfigError(f"{arch} weights {str(path)!r} not found; give a torchvision state dict (.pth)")
-            net.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            try:
+                net.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            except Exception as e:  # not a state dict of this architecture (any error reading it)
+                raise ConfigError(f"{arch} weights {shown(str(path))} cannot be loaded ({type(e).__name__}: "
+                                  f"{one_line(str(e), 120) or 'no details'}); give a torchvision state dict (.pth)") from None
         blocks = [b for stage in (net.layer1, net.layer2, net.layer3, net.layer4) for b in stage]
         dims = [b.conv2.out_channels for b in blocks]
         super().__init__(embed_dim=512, block_dims=dims, image_size=image_size, name=arch + (f":{weights}" if weights else ""))
@@ -208,7 +214,25 @@ def hf_config_of(folder: str | os.PathLike) -> dict[str, Any]:
             f"backbone {str(folder)!r}: no config.json there. Give a local folder holding a transformers ViTModel "
             f"(e.g. a download of google/vit-base-patch16-224-in21k), open_clip:NAME[:TAG], resnet18 or {BUNDLED_VIT}"
         )
-    return json.loads(path.read_text())
+    from raysim.safeio import read_regular
+
+    raw = read_regular(path, max_bytes=MAX_HF_CONFIG_BYTES, error=ConfigError, what=f"backbone config {str(path)!r}")
+    try:
+        cfg = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # not JSON, an integer of thousands of digits, too deep
+        raise ConfigError(f"backbone config {shown(str(path))} cannot be read as JSON ({type(e).__name__}: "
+                          f"{one_line(str(e), 120)}); give the folder of a transformers ViTModel") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"backbone config {shown(str(path))} must hold a JSON object, got {shown(cfg)}")
+    return cfg
+
+
+def _image_size(cfg: dict[str, Any], where: str) -> int:
+    size = cfg.get("image_size", 224)
+    size = size[0] if isinstance(size, (list, tuple)) and size else size
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_IMAGE_SIZE:
+        raise ConfigError(f"{where}: image_size must be an integer in [1, {MAX_IMAGE_SIZE}], got {shown(size)}")
+    return size
 
 
 def backbone_image_size(spec: str) -> int:
@@ -227,7 +251,7 @@ def backbone_image_size(spec: str) -> int:
         return int(size[0] if isinstance(size, (list, tuple)) else size)
     if spec.split(":")[0] in ("resnet18", "resnet34"):
         return 32
-    return int(hf_config_of(spec).get("image_size", 224))
+    return _image_size(hf_config_of(spec), f"backbone {shown(spec)} config.json")
 
 
 def load_backbone(spec: str, *, image_size: int = 32, seed: int = 0) -> Backbone:

@@ -212,10 +212,10 @@ def check_labels(methods: Sequence[Entry]) -> None:
     for m in methods:
         label = m.label
         name = slug(label)
+        if label.strip() in (".", "..") or name in (".", "..") or (label.startswith(("/", "~", "\\")) and slug(label) != "default"):
+            raise ConfigError(f"compare: the label {shown(label)} would name a folder outside --out; give the entry a plain label")
         if not label.strip() or not re.search(r"[A-Za-z0-9]", label):
             raise ConfigError(f"compare: the label {shown(label)} names no folder; give the entry a label with letters or digits")
-        if label.strip() in (".", "..") or name in (".", "..") or label.startswith(("/", "~", "\\")):
-            raise ConfigError(f"compare: the label {shown(label)} would name a folder outside --out; give the entry a plain label")
         if name in seen:
             same = "twice" if seen[name] == label else f"and {shown(seen[name])}: both are the folder {name!r}"
             raise ConfigError(f"compare: the labels {shown(label)} {same} once sanitised; give one a 'label' of its own in the spec")
@@ -266,7 +266,8 @@ def earlier_run(folder: Path, cfg: Any) -> str:
     diff = earlier.differences(cfg)
     if diff or saved_cfg.train.rounds > cfg.train.rounds:
         saved, now = flat(saved_cfg), flat(cfg)
-        what = ", ".join(f"{k}={saved.get(k)!r} (now {now.get(k)!r})" for k in diff) or f"train.rounds={saved_cfg.train.rounds}"
+        what = (", ".join(f"{k}={shown(saved.get(k))} (now {shown(now.get(k))})" for k in diff[:5])
+                or f"train.rounds={saved_cfg.train.rounds}")
         raise ConfigError(f"{folder} holds a run with other settings: {what}; pass another --out, or delete that folder to redo it")
     done = earlier.completed_round() + 1
     return "finished" if done >= cfg.train.rounds and (folder / "summary.md").is_file() else "partial"

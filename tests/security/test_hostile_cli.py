@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from raysim.config.load import load_yaml, parse_yaml
+from raysim.config.load import parse_yaml
 from raysim.errors import SHOWN_CHARS, ConfigError, shown
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,9 +104,9 @@ def test_a_config_yaml_with_a_repeated_value_reads_back():
     cfg = build_config({"method": "promptfl", "train": {"rounds": 2}})
     d = cfg.to_dict()
     d["x"], d["y"] = shared, shared  # one object twice: the plain dumper would otherwise write &id001 / *id001
-    from raysim.config.schema import _PlainDumper
-
     import yaml
+
+    from raysim.config.schema import _PlainDumper
 
     text = yaml.dump(d, Dumper=_PlainDumper)
     assert "&" not in text and parse_yaml(text, what="t")["y"] == shared
@@ -515,3 +515,33 @@ def test_results_rows_past_the_last_completed_round_are_ignored_with_a_warning_n
     assert utility["in_client"] == pytest.approx(0.05, abs=1e-9)  # the mean of rounds 0 and 1 only (0.0, 0.1)
     warned = [r.getMessage() for r in caplog.records if "past the last completed round" in r.getMessage()]
     assert warned and str(run / "results.csv") in warned[0] and "round(s) 2, 3, 4" in warned[0]
+
+
+@pytest.mark.parametrize("text, want", [
+    ('{"image_size": ' + "9" * 5000 + "}", "cannot be read as JSON"),
+    ("[" * 100_000 + "]" * 100_000, "cannot be read as JSON"),
+    ("[1, 2]", "must hold a JSON object"),
+    ('{"image_size": "abc"}', "image_size must be an integer"),
+    ('{"image_size": 10000000}', "image_size must be an integer in [1, 4096]"),
+])
+def test_a_hostile_backbone_config_json_is_one_config_error(tmp_path, text, want):
+    """A VPDR backbone folder's config.json (a transformers ViT): 5,000 digits, 100,000 levels deep, the wrong
+    shape or value, each a ConfigError naming the file; a file over 1 MiB is refused before it is read."""
+    from raysim.models.vit_adapter import backbone_image_size
+
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(want)) as e:
+        backbone_image_size(str(tmp_path))
+    assert "config.json" in str(e.value) and len(str(e.value)) < 400
+    (tmp_path / "config.json").write_bytes(b" " * ((1 << 20) + 1))
+    with pytest.raises(ConfigError, match="more than the 1048576 bytes"):
+        backbone_image_size(str(tmp_path))
+
+
+def test_garbage_resnet_weights_are_one_config_error(tmp_path):
+    from raysim.models.vit_adapter import TorchvisionResNet
+
+    f = tmp_path / "w.pth"
+    f.write_bytes(b"garbage")
+    with pytest.raises(ConfigError, match=r"resnet18 weights '.*w.pth' cannot be loaded \(UnpicklingError"):
+        TorchvisionResNet("resnet18", str(f), image_size=32)
