@@ -545,3 +545,42 @@ def test_garbage_resnet_weights_are_one_config_error(tmp_path):
     f.write_bytes(b"garbage")
     with pytest.raises(ConfigError, match=r"resnet18 weights '.*w.pth' cannot be loaded \(UnpicklingError"):
         TorchvisionResNet("resnet18", str(f), image_size=32)
+
+
+SPEC_VALUES = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-5, 10 ** 30), st.floats(allow_nan=True),
+                                     st.text("abz.:=;, _-", max_size=8)),
+                           lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(st.text("abz.", max_size=4), c,
+                                                                                         max_size=3)), max_leaves=6)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.sampled_from(["title", "layout", "rounds", "methods", "grid", "setting", "seeds"]), SPEC_VALUES,
+                       max_size=4))
+def test_any_compare_spec_is_read_or_refused_with_a_config_error(tmp_path, spec):
+    """Whatever each spec key holds, reading the spec gives a CompareSpec or one ConfigError (never another
+    exception, which the front door would print as a traceback)."""
+    from raysim.tools.compare import spec_from_args
+
+    f = tmp_path / "spec.yaml"
+    f.write_text(json.dumps({"methods": ["promptfl"], **spec}, allow_nan=True).replace("NaN", ".nan")
+                 .replace("-Infinity", "-.inf").replace("Infinity", ".inf"))
+    try:
+        spec_from_args([str(f)])
+    except ConfigError as e:
+        assert len(str(e)) < 1500
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.sampled_from(["name", "storage", "base", "space", "num_samples", "metric", "mode", "asha",
+                                        "max_concurrent", "restore"]), SPEC_VALUES, max_size=4),
+       st.sampled_from([[], ["train.rounds=2"], ["name=x"]]))
+def test_any_sweep_file_is_read_or_refused_with_a_config_error(tmp_path, spec, overrides):
+    from raysim.tools.sweep import load_sweep, validate_sweep
+
+    f = tmp_path / "sweep.yaml"
+    f.write_text(json.dumps({"space": {"train.seed": {"grid": [1]}}, **spec}, allow_nan=True).replace("NaN", ".nan")
+                 .replace("-Infinity", "-.inf").replace("Infinity", ".inf"))
+    try:
+        validate_sweep(load_sweep(f, overrides))
+    except ConfigError as e:
+        assert len(str(e)) < 1500
