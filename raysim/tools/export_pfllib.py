@@ -97,8 +97,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except OSError as e:
         from raysim.errors import os_error_line
 
-        print(f"error: {os_error_line(e, args.out)}", file=sys.stderr)
+        print(f"error: {os_error_line(e, args.out, again=True)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: nothing was written to {args.out}; run the command again", file=sys.stderr)
+        return 130
     print(f"wrote {cfg.train.num_clients} clients of {cfg.data.dataset} ({cfg.data.partition}, seed {cfg.train.seed}) to {out}")
     return 0
 

@@ -449,7 +449,7 @@ def test_export_pfllib_on_a_full_disk_leaves_nothing_and_runs_again(tmp_path, ca
     monkeypatch.setattr(np, "savez_compressed", full_at_the_third_archive)
     assert main([str(out), *EXPORT]) == 2  # OUT first, then an option, then key=value
     line = one_line(capsys)
-    assert "No space left on device" in line and "free some space" in line
+    assert "No space left on device" in line and "free some space, then run the command again" in line
     assert list(tmp_path.iterdir()) == []  # neither OUT nor its temporary sibling
     monkeypatch.setattr(np, "savez_compressed", real)
     assert main([str(out), *EXPORT]) == 0
@@ -584,3 +584,19 @@ def test_any_sweep_file_is_read_or_refused_with_a_config_error(tmp_path, spec, o
         validate_sweep(load_sweep(f, overrides))
     except ConfigError as e:
         assert len(str(e)) < 1500
+
+
+def test_ctrl_c_in_export_pfllib_leaves_nothing_and_exits_130(tmp_path, capsys, monkeypatch):
+    import raysim.data.pfllib_folder as pf
+    from raysim.tools.export_pfllib import main
+
+    def interrupted(root, *a, **kw):
+        (Path(root) / "train").mkdir(parents=True)
+        (Path(root) / "train" / "0.npz").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pf, "write_folder", interrupted)
+    out = tmp_path / "exported"
+    assert main([str(out), *EXPORT]) == 130
+    assert one_line(capsys) == f"interrupted: nothing was written to {out}; run the command again"
+    assert list(tmp_path.iterdir()) == []
