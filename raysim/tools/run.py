@@ -67,7 +67,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python raysim/run.py
     except KeyboardInterrupt:
         where = _resumable((cfg.output.out_dir if cfg is not None else "") or "")
         print(f"interrupted: every completed round is saved; continue with output.resume={where}" if where else
-              "interrupted before the run folder held a run: nothing was kept; run the command again", file=sys.stderr)
+              "interrupted: the run folder held no run yet, so nothing was kept; run the command again", file=sys.stderr)
         return 130
     print()
     print((result.out_dir / "summary.md").read_text())

@@ -602,3 +602,24 @@ def test_ctrl_c_in_export_pfllib_leaves_nothing_and_exits_130(tmp_path, capsys, 
     assert main([str(out), *EXPORT]) == 130
     assert one_line(capsys) == f"interrupted: nothing was written to {out}; run the command again"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_names_output_resume_only_for_a_folder_that_holds_a_run(tmp_path, capsys, monkeypatch):
+    import raysim.engine.loop as loop
+    from raysim.tools.run import main
+
+    out = tmp_path / "run"
+    kept = {"yes": False}
+
+    def interrupted(cfg, **kw):
+        if kept["yes"]:
+            out.mkdir()
+            (out / "config.yaml").write_text(cfg.to_yaml())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "run", interrupted)
+    assert main([*RUN, f"output.out_dir={out}"]) == 130
+    assert one_line(capsys) == "interrupted: the run folder held no run yet, so nothing was kept; run the command again"
+    kept["yes"] = True
+    assert main([*RUN, f"output.out_dir={out}"]) == 130
+    assert one_line(capsys) == f"interrupted: every completed round is saved; continue with output.resume={out}"
