@@ -112,7 +112,7 @@ def make_mnist_like(out: str | Path, *, clients: int = 20, alpha: float = 0.1, s
 
 # ------------------------------------------------------------------------------------ raysim's side
 def raysim_side(folder: str, method: str, *, family: str, rounds: int, out_dir: Path, seed: int = 0,
-                overrides: Optional[dict[str, Any]] = None) -> list[float]:
+                overrides: Optional[dict[str, Any]] = None, preset: Path = PRESET) -> list[float]:
     """raysim's per-round pooled test accuracy (total correct / total test samples) of `method` on the folder."""
     from raysim.config import load_config_file, merge_config
     from raysim.config.checks import build_config
@@ -122,7 +122,7 @@ def raysim_side(folder: str, method: str, *, family: str, rounds: int, out_dir: 
     section: dict[str, Any] = {"model": _single_model(family)} if method in HOMOGENEOUS else {"model_family": family}
     if method == "fedpcl":
         section = {"model_family": family}
-    values = merge_config(load_config_file(PRESET), {
+    values = merge_config(load_config_file(preset), {
         "method": method,
         "data": {"dataset": "pfllib", "data_root": folder},
         "train": {"rounds": rounds, "seed": seed},
@@ -247,6 +247,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per library run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("parity_out"))
+    p.add_argument("--preset", type=Path, default=PRESET, help="raysim's run config (default: benchmarks/presets/htfllib.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config keys applied to every raysim run (fedproto.lam=10)")
     args = p.parse_args(argv)
     if args.make_mnist_like:
         print(f"wrote {make_mnist_like(args.make_mnist_like)}")
@@ -261,6 +263,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     except RaysimError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from raysim.config import parse_overrides
+
+    try:
+        overrides = parse_overrides(args.overrides)
+    except RaysimError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     wanted = {a.strip().lower() for a in args.algorithms.split(",") if a.strip()}
     chosen = [a for a in ALGORITHMS if not wanted or a[0].lower() in wanted or a[1] in wanted]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -270,7 +279,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"[raysim] {algorithm} ({method}) ...", flush=True)
         row: dict[str, Any] = {"algorithm": algorithm, "method": method, "lib": lib, "library": []}
         row["raysim"] = raysim_side(args.folder, method, family=args.family, rounds=args.rounds,
-                                    out_dir=args.out / "raysim", seed=args.seed)
+                                    out_dir=args.out / "raysim", seed=args.seed, overrides=overrides, preset=args.preset)
         checkout = args.htfllib if lib == "htfllib" else args.pfllib
         if checkout is None:
             row["missing"] = f"no --{lib} checkout"
@@ -288,7 +297,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     text = table(rows)
     missing = sorted({r["missing"] for r in rows if r.get("missing")})
     header = (f"Parity on {args.folder} ({folder_cfg['num_clients']} clients), family {args.family}, {args.rounds} rounds, "
-              "benchmarks/presets/htfllib.yaml (HtFLlib's settings and total.sh's coefficients); pooled test accuracy (%) "
+              f"raysim with {args.preset}{' ' + ' '.join(args.overrides) if args.overrides else ''}; pooled test accuracy (%) "
               "at the best round (1-based)\n\n")
     (args.out / "parity.md").write_text(header + text + "".join(f"\nmissing: {m}" for m in missing) + "\n")
     (args.out / "parity.json").write_text(json.dumps(rows, indent=1))

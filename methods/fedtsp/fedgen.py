@@ -1,5 +1,6 @@
 """FedGen (Zhu et al. 2021, "Data-free knowledge distillation for heterogeneous FL") on the client zoo,
-as HtFLlib runs it for fedtsp.txt Table 1 (SPEC 2.9: noise dim 32, hidden 512, generator lr 0.1).
+with the settings of fedtsp.txt Table 1 (SPEC 2.9: noise dim 32, hidden 512, generator lr 0.1); HtFLlib's
+code, and the FedTSP authors' fork behind that table, never keep the trained generator (`generator=initial`).
 
 On top of LG-FedAvg's shared head, the server learns a conditional generator G(noise, y) -> R^d of
 features that the clients' heads classify as y, and clients use it as a regulariser of their head.
@@ -22,11 +23,12 @@ Broadcast  the global head, G's weights (with its BatchNorm buffers) and the sum
            costs no privacy. Nothing is kept server-only: the optimiser is recreated every round (HtFLlib).
 Uploads    the head: an update of the broadcast head (dp.level=client); the counts are public.
 
-`generator=initial` (HtFLlib's servergen.py): its server loads the saved G, trains that copy for server_epochs
-steps and never saves it back, so every client of every round samples from the untrained initial G (in training
-mode: BatchNorm on batch statistics). The server's steps change nothing there, so raysim skips them (the server's
-loss is logged as nan) and broadcasts the initial G each round: FedGen reduces to LG-FedAvg plus the fixed
-regulariser CE(h(G_0(noise, y~)), y~). `generator=trained` (default) is FedGen's algorithm.
+`generator=initial` (HtFLlib's servergen.py, the same in XinghaoWu/FedTSP_CVPR26): its server loads the saved
+G, trains that copy for server_epochs steps and never saves it back, so every client of every round samples from
+the untrained initial G (in training mode: BatchNorm on batch statistics). The server's steps change nothing
+there, so raysim skips them (the server's loss is logged as nan) and broadcasts the initial G each round: FedGen
+reduces to LG-FedAvg plus the fixed regulariser CE(h(G_0(noise, y~)), y~). `generator=trained` (default) is
+FedGen's algorithm.
 
 Round 0: the clients have no label distribution yet (the server learns it from the first uploads), so
 they train without the generator term; HtFLlib's clients already apply its untrained generator in round 0.
