@@ -9,7 +9,14 @@ Run folders (raysim/storage) and the data caches (raysim/data) use them.
 regular file (a symbolic link may point only inside the folder; no device, FIFO or socket) no larger than
 the size the writer recorded, or than `MAX_FILE_BYTES` (a documented maximum, 8 GiB, settable with the
 environment variable RAYSIM_MAX_FILE_BYTES) when nothing was recorded; it is read in bounded chunks, so a
-file that grows while it is read cannot exhaust memory either. A checkpoint without its digest is damaged.
+file that grows while it is read cannot exhaust memory either. A checkpoint without its digest is damaged;
+the size its digest records may be at most `MAX_CHECKPOINT_BYTES` (4 GiB, RAYSIM_MAX_CHECKPOINT_BYTES) and
+must be the file's, and its SHA-256 is computed as it streams in.
+
+`parse_npz` / `read_npz_safely` read .npz archives from elsewhere (PFLlib folders): members decompressed a
+chunk at a time against one `Budget` (`MAX_DATA_BYTES`, 2 GiB, RAYSIM_MAX_DATA_BYTES) for everything a
+folder unpacks to, and pickles read by `plain_unpickle`, which checks every opcode and what numpy's
+reconstructors are called with (simple dtypes only; an array's size charged before it is built).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import io
 import os
 import pickle
 import stat
+import struct
 from pathlib import Path
 from typing import Any, Callable
 
@@ -225,6 +233,7 @@ MAX_DATA_BYTES = int(os.environ.get("RAYSIM_MAX_DATA_BYTES", str(2 << 30)))  # d
 MAX_PICKLE_OPS = 10_000_000  # a PFLlib client archive's pickle takes a few dozen opcodes; each costs ~1 us here
 _OP_BYTES = 8  # what one opcode may allocate beyond the bytes it reads (a stack or container slot), charged per opcode
 _MAX_NDIM = 32  # numpy's own limit is 64
+MAX_NPZ_DIRECTORY_BYTES = 1 << 20  # an .npz's list of members (~100 bytes each): zipfile holds ~0.5 KB per member
 
 
 class Budget:
@@ -289,6 +298,8 @@ class _PlainUnpickler(pickle._Unpickler):
         self.budget, self.what = budget, what
         self._fresh: dict[int, Any] = {}  # id -> dtype or array made by REDUCE and not yet given its state (BUILD)
         self._used: set[int] = set()  # dtypes an array or scalar took: their state can no longer change
+
+    _dispatch: dict[int, Callable[[Any], None]] = {}  # _plain_dispatch(), set below the class
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in PLAIN_PICKLE_GLOBALS:
@@ -419,13 +430,13 @@ def _plain_dispatch() -> dict[int, Callable[[Any], None]]:
                "APPENDS": _PlainUnpickler._load_appends, "APPEND": _PlainUnpickler._load_append,
                "ADDITEMS": _PlainUnpickler._load_additems}
     table: dict[int, Callable[[Any], None]] = {code: _refuse(f"{code:#04x}") for code in range(256)}
-    for code, fn in pickle._Unpickler.dispatch.items():  # type: ignore[attr-defined]
+    for code, fn in pickle._Unpickler.dispatch.items():
         name = names.get(code, f"{code:#04x}")
         table[code] = checked.get(name, fn) if name in _PLAIN_OPS else _refuse(name)
     return table
 
 
-_PlainUnpickler._dispatch = _plain_dispatch()  # type: ignore[attr-defined]
+_PlainUnpickler._dispatch = _plain_dispatch()
 
 
 def _brief(value: Any) -> str:
@@ -494,8 +505,12 @@ def parse_npz(raw: bytes, *, what: str, budget: Budget | None = None, error: typ
     path = what
     budget = budget if budget is not None else Budget(scope="one archive", error=error)
     try:
+        end = getattr(zipfile, "_EndRecData")(io.BytesIO(raw))  # the directory's size, before zipfile parses it
+        if end and end[getattr(zipfile, "_ECD_SIZE")] > MAX_NPZ_DIRECTORY_BYTES:
+            raise error(f"{path} lists {end[getattr(zipfile, '_ECD_SIZE')]:,} bytes of members, more than the "
+                        f"{MAX_NPZ_DIRECTORY_BYTES:,} an .npz of a few arrays takes")
         archive = zipfile.ZipFile(io.BytesIO(raw))
-    except (zipfile.BadZipFile, ValueError, OSError) as e:
+    except (zipfile.BadZipFile, ValueError, OSError, struct.error) as e:
         raise error(f"{path} is not an .npz archive ({_reason(e)})") from None
     out: dict[str, Any] = {}
     with archive:

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from numpy._core.multiarray import _reconstruct
 
 from raysim.errors import CheckpointError, DataError
-from raysim.safeio import DIGEST_SUFFIX, MAX_CHECKPOINT_BYTES, Budget, atomic_save, load_checked, plain_unpickle
+from raysim.safeio import DIGEST_SUFFIX, MAX_CHECKPOINT_BYTES, atomic_save, load_checked, plain_unpickle
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -231,7 +231,8 @@ def test_nan_anywhere_in_config_json_is_refused_naming_the_key(tmp_path, where, 
 def test_deep_nesting_and_huge_integers_in_config_json_are_refused(tmp_path):
     from raysim.data.pfllib_folder import read_config
 
-    for text, msg in (("[" * 100_000 + "]" * 100_000, "nested too deeply|not valid JSON"), ('{"num_clients": ' + "9" * 5000 + "}", "not valid JSON")):
+    deep, digits = "[" * 100_000 + "]" * 100_000, '{"num_clients": ' + "9" * 5000 + "}"
+    for text, msg in ((deep, "nested too deeply|not valid JSON"), (digits, "not valid JSON")):
         (tmp_path / "config.json").write_text(text)
         with pytest.raises(DataError, match=msg):
             read_config(tmp_path)
@@ -277,7 +278,8 @@ def test_archives_beyond_num_clients_are_refused(tmp_path, extra):
 
     root = _folder(tmp_path / "pf")
     (root / extra).write_bytes((root / "train" / "0.npz").read_bytes())
-    with pytest.raises(DataError, match=rf"{root}/{extra.split('/')[0]} holds archives beyond config\.json's num_clients=2 \({extra.split('/')[1]}"):
+    split, name = extra.split("/")
+    with pytest.raises(DataError, match=rf"{root}/{split} holds archives beyond config\.json's num_clients=2 \({name}"):
         read_folder(root)
 
 
@@ -289,7 +291,8 @@ def test_one_budget_covers_all_the_archives_of_a_folder(tmp_path):
     assert read_folder(root).num_clients == 4
     one = sum(len(zipfile.ZipFile(root / "train" / "0.npz").read(n)) for n in ("data.npy",))
     assert 3 * one < 300_000 < 8 * one  # each archive fits the budget, the folder's eight do not
-    with pytest.raises(DataError, match=r"/pf/(train|test)/[1-3]\.npz\[data\.npy\] unpacks (past|to) .* raysim allows for the PFLlib folder"):
+    past = r"/pf/(train|test)/[1-3]\.npz\[data\.npy\] unpacks (past|to) .* raysim allows for the PFLlib folder"
+    with pytest.raises(DataError, match=past):
         read_folder(root, max_bytes=300_000)
 
 
@@ -371,3 +374,18 @@ def test_the_worst_cases_stay_within_a_memory_limit(tmp_path):
     assert len(refused) == 7 and "ACCEPTED" not in p.stdout, p.stdout
     assert "num_classes is at most 100,000" in p.stdout and "records a size of 12,000,000,000" in p.stdout
     assert p.stdout.count("unpacks past the 67,108,864 bytes") + p.stdout.count("unpacks to") >= 3, p.stdout
+
+
+def test_an_archive_listing_thousands_of_members_is_refused_before_zipfile_parses_the_list():
+    """zipfile keeps ~0.5 KB per listed member: a 2 GiB archive of empty members would take 20 GB to list."""
+    from raysim.safeio import MAX_NPZ_DIRECTORY_BYTES, parse_npz
+
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        for i in range(MAX_NPZ_DIRECTORY_BYTES // 40):  # each listing is over 40 bytes: past the limit
+            z.writestr(f"{i}.npy", b"")
+    with pytest.raises(DataError, match=r"many\.npz lists .* bytes of members, more than the 1,048,576"):
+        parse_npz(out.getvalue(), what="many.npz")
+    ok = io.BytesIO()
+    np.savez(ok, **{f"a{i}": np.arange(i) for i in range(50)})
+    assert np.array_equal(parse_npz(ok.getvalue(), what="ok.npz")["a49"], np.arange(49))
