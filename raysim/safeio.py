@@ -505,10 +505,11 @@ def parse_npz(raw: bytes, *, what: str, budget: Budget | None = None, error: typ
     path = what
     budget = budget if budget is not None else Budget(scope="one archive", error=error)
     try:
-        end = getattr(zipfile, "_EndRecData")(io.BytesIO(raw))  # the directory's size, before zipfile parses it
-        if end and end[getattr(zipfile, "_ECD_SIZE")] > MAX_NPZ_DIRECTORY_BYTES:
-            raise error(f"{path} lists {end[getattr(zipfile, '_ECD_SIZE')]:,} bytes of members, more than the "
-                        f"{MAX_NPZ_DIRECTORY_BYTES:,} an .npz of a few arrays takes")
+        end = zipfile._EndRecData(io.BytesIO(raw))  # type: ignore[attr-defined]  # the directory's size, before zipfile parses it
+        listed = end[zipfile._ECD_SIZE] if end else 0  # type: ignore[attr-defined]
+        if listed > MAX_NPZ_DIRECTORY_BYTES:
+            raise error(f"{path} lists {listed:,} bytes of members, more than the {MAX_NPZ_DIRECTORY_BYTES:,} an .npz of a few "
+                        "arrays takes")
         archive = zipfile.ZipFile(io.BytesIO(raw))
     except (zipfile.BadZipFile, ValueError, OSError, struct.error) as e:
         raise error(f"{path} is not an .npz archive ({_reason(e)})") from None

@@ -90,7 +90,7 @@ def _put(root: Path, split: str, i: int, data) -> Path:
     return path
 
 
-def _cli(root: Path, out: Path, *extra: str, limit_bytes: int | None = None) -> subprocess.CompletedProcess:
+def _cli(root: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "raysim", "run", "method=local", "data.dataset=pfllib", f"data.data_root={root}",
          "local.model_family=FedAvgCNN-1x28", "train.rounds=1", "execution.backend=inline", f"output.out_dir={out}",
@@ -101,12 +101,13 @@ def _cli(root: Path, out: Path, *extra: str, limit_bytes: int | None = None) -> 
 
 # ------------------------------------------------------------------ 1: a pickled dtype with fields at odd offsets
 def test_the_odd_offset_dtype_is_live_under_numpys_own_loader(tmp_path):
-    """The refusal below could pass on a pickle that never harms: numpy's allow_pickle load dies of it (SIGSEGV)."""
+    """The refusal below could pass on a pickle that never harms: numpy's allow_pickle load dies of it (SIGSEGV
+    here: a signal in any case, as the object is written 1 GiB past its array)."""
     path = tmp_path / "0.npz"
     path.write_bytes(_segfault_npz())
     code = f"import numpy as np; d = np.load({str(path)!r}, allow_pickle=True)['data'].item(); print(d['x'])"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
-    assert p.returncode == -11, (p.returncode, p.stderr[-500:])
+    assert p.returncode < 0, (p.returncode, p.stderr[-500:])
 
 
 def test_the_odd_offset_dtype_exits_2_with_one_line_and_no_lock(tmp_path):
@@ -200,11 +201,11 @@ def test_a_forged_checkpoint_size_is_refused_before_a_byte_is_read(tmp_path):
 def test_a_bad_count_in_config_json_is_refused_naming_it(tmp_path, value, key):
     from raysim.data.pfllib_folder import read_config
 
-    root = tmp_path / f"pf-{key}-{abs(hash(value))}"
+    root = tmp_path / "pf"
     root.mkdir(exist_ok=True)
     counts = {"num_clients": "2", "num_classes": "10", key: value}
     (root / "config.json").write_text("{" + ", ".join(f'"{k}": {v}' for k, v in counts.items()) + "}")
-    with pytest.raises(DataError, match=rf"config\.json: ({key}|{key if value == 'NaN' else 'x'}) "):
+    with pytest.raises(DataError, match=rf"config\.json: {key} (must be a positive integer|is at most 100,000|is NaN)"):
         read_config(root)
 
 
