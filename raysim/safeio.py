@@ -21,10 +21,12 @@ reconstructors are called with (simple dtypes only; an array's size charged befo
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import io
 import os
 import pickle
+import re
 import stat
 import struct
 from pathlib import Path
@@ -55,9 +57,13 @@ SAFE_NUMPY: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [  # wha
 
 def safe_load(source: str | Path | bytes | io.BytesIO, *, what: str = "") -> Any:
     """torch.load with weights_only=True (plus numpy arrays): a file that needs anything else to unpickle
-    (a class, a function: an object that could run code) is refused with a CheckpointError naming it."""
-    name = what or str(source)
+    (a class, a function: an object that could run code) is refused with a CheckpointError naming it, and so
+    is one that hands numpy's reconstructors anything but plain data (`_scan_checkpoint`, run first)."""
+    name = what or (str(source) if isinstance(source, (str, Path)) else "the checkpoint")
+    if isinstance(source, (str, Path)):
+        source = read_regular(source, max_bytes=MAX_CHECKPOINT_BYTES, error=CheckpointError)
     buf = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
+    _scan_checkpoint(buf, name)  # what torch would hand numpy, checked first
     try:
         with torch.serialization.safe_globals(SAFE_NUMPY):
             return torch.load(buf, map_location="cpu", weights_only=True)
@@ -224,6 +230,7 @@ PLAIN_PICKLE_GLOBALS: frozenset[tuple[str, str]] = frozenset({
     ("numpy._core.multiarray", "scalar"),
     ("numpy", "ndarray"),
     ("numpy", "dtype"),
+    ("_codecs", "encode"),  # how protocol 2 (torch.save's) writes bytes: encode(text, "latin1")
 })
 # the dtypes a pickle may name (as numpy pickles them: np.dtype(name, False, True)): bool, integers, floats,
 # complex (admitted so a complex image is refused by the reader that gets it, with its name) and object (the
@@ -271,8 +278,8 @@ def _refuse(opname: str) -> Callable[[Any], None]:
 
 
 # the opcodes of dicts, lists, tuples, sets, strings, bytes, numbers and the memo; GLOBAL / STACK_GLOBAL go
-# through find_class, REDUCE and BUILD through the checks below; INST, OBJ, NEWOBJ(_EX), EXT*, PERSID and
-# out-of-band buffers are refused
+# through find_class, REDUCE and BUILD through the checks below; INST, OBJ, NEWOBJ_EX, EXT*, PERSID and
+# out-of-band buffers are refused, and NEWOBJ and BINPERSID everywhere but in a checkpoint scan
 _PLAIN_OPS = frozenset({
     "PROTO", "FRAME", "STOP", "MARK", "POP", "POP_MARK", "DUP", "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1",
     "LONG4", "NONE", "NEWTRUE", "NEWFALSE", "FLOAT", "BINFLOAT", "STRING", "BINSTRING", "SHORT_BINSTRING", "BINBYTES",
@@ -280,13 +287,17 @@ _PLAIN_OPS = frozenset({
     "APPEND", "APPENDS", "LIST", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_DICT", "DICT", "SETITEM",
     "SETITEMS", "EMPTY_SET", "ADDITEMS", "FROZENSET", "GET", "BINGET", "LONG_BINGET", "PUT", "BINPUT", "LONG_BINPUT",
     "MEMOIZE", "GLOBAL", "STACK_GLOBAL", "REDUCE", "BUILD",
+    "NEWOBJ", "BINPERSID",  # only in a checkpoint scan, on torch's own objects (refused otherwise)
 })
 
 
+_STRING_DTYPE = re.compile(r"[US][0-9]{1,6}")  # fixed-width strings (a cache's names), as numpy pickles them: U4, S16
+
+
 def _simple(dt: Any) -> bool:
-    """A dtype of SIMPLE_DTYPES (either byte order; no fields, subarray or metadata)."""
+    """A dtype of SIMPLE_DTYPES or a fixed-width string (either byte order; no fields, subarray or metadata)."""
     return (isinstance(dt, np.dtype) and dt.fields is None and dt.subdtype is None and dt.metadata is None
-            and f"{dt.kind}{dt.itemsize}" in SIMPLE_DTYPES)
+            and (f"{dt.kind}{dt.itemsize}" in SIMPLE_DTYPES or dt.kind in "US"))
 
 
 class _PlainUnpickler(pickle._Unpickler):
@@ -301,12 +312,18 @@ class _PlainUnpickler(pickle._Unpickler):
 
     _dispatch: dict[int, Callable[[Any], None]] = {}  # _plain_dispatch(), set below the class
 
+    scan = False  # _CheckpointScan: other names pass as _Opaque, and arrays are checked but not built
+
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in PLAIN_PICKLE_GLOBALS:
             return super().find_class(module, name)
+        if self.scan and module.split(".")[0] != "numpy":
+            return _Opaque()
         raise _Refused(f"{module[:80]}.{name[:80]} is not plain data")
 
     def persistent_load(self, pid: Any) -> Any:
+        if self.scan:
+            return _Opaque()
         raise _Refused("persistent references are not plain data")
 
     def load(self) -> Any:
@@ -337,10 +354,13 @@ class _PlainUnpickler(pickle._Unpickler):
     def _load_reduce(self) -> None:
         args = self.stack.pop()
         func = self.stack[-1]
+        if self.scan and isinstance(func, _Opaque):
+            self.stack[-1] = _Opaque()
+            return
         if not isinstance(args, tuple):
             raise _Refused("REDUCE without an argument tuple")
         if func is np.dtype:
-            if len(args) != 3 or type(args[0]) is not str or args[0] not in SIMPLE_DTYPES \
+            if len(args) != 3 or type(args[0]) is not str or not (args[0] in SIMPLE_DTYPES or _STRING_DTYPE.fullmatch(args[0])) \
                     or args[1:] not in ((False, True), (0, 1)) or {type(a) for a in args[1:]} - {bool, int}:  # numpy 1 writes 0, 1
                 raise _Refused(f"numpy.dtype{_brief(args)} is not a simple numeric dtype (only {', '.join(sorted(SIMPLE_DTYPES))})")
             out: Any = np.dtype(args[0], False, True)  # always a fresh copy: a later BUILD changes only this one
@@ -351,6 +371,10 @@ class _PlainUnpickler(pickle._Unpickler):
                 raise _Refused(f"numpy's _reconstruct{_brief(args)} is not how numpy pickles an array")
             out = np_multiarray._reconstruct(np.ndarray, (0,), b"b")
             self._fresh[id(out)] = out
+        elif func is codecs.encode:
+            if len(args) != 2 or type(args[0]) is not str or args[1] != "latin1":
+                raise _Refused("_codecs.encode called other than as protocol 2 writes bytes")
+            out = codecs.encode(args[0], "latin1")
         elif func is np_multiarray.scalar:
             if len(args) != 2 or not _simple(args[0]) or args[0].hasobject or not isinstance(args[1], bytes) \
                     or len(args[1]) != args[0].itemsize:
@@ -365,12 +389,15 @@ class _PlainUnpickler(pickle._Unpickler):
     def _load_build(self) -> None:
         state = self.stack.pop()
         inst = self.stack[-1]
+        if self.scan and isinstance(inst, _Opaque):
+            return
         if self._fresh.pop(id(inst), None) is not inst:
             raise _Refused(f"BUILD on a {type(inst).__name__} that numpy's reconstructors did not just make")
         if isinstance(inst, np.dtype):
-            ok = (id(inst) not in self._used and isinstance(state, tuple) and len(state) == 8 and state[0] == 3
-                  and state[1] in (("|",) if inst.itemsize == 1 or inst.hasobject else ("<", ">"))
-                  and state[2:7] == (None, None, None, -1, -1) and state[7] == inst.flags)
+            own = inst.__reduce__()[2]  # the state numpy writes for this dtype: only its byte order may differ
+            ok = (id(inst) not in self._used and isinstance(state, tuple) and len(state) == len(own) == 8
+                  and state[0] == 3 and state[1] in (("|",) if own[1] == "|" else ("<", ">"))
+                  and all(type(a) is type(b) and a == b for a, b in zip(state[2:], own[2:])))
             if not ok:
                 raise _Refused(f"a numpy dtype whose state {_brief(state)} is not a simple numeric dtype's (fields, "
                                "offsets, subarrays and odd item sizes are refused)")
@@ -393,39 +420,101 @@ class _PlainUnpickler(pickle._Unpickler):
                     raise _Refused(f"an object array of {count} elements whose data is not a list of as many")
             elif not isinstance(raw, (bytes, bytearray)) or len(raw) != count * dtype.itemsize:
                 raise _Refused(f"an array of {count} x {dtype.itemsize} bytes whose data does not hold that many")
+            if self.scan:
+                return
         inst.__setstate__(state)
 
+    def _load_newobj(self) -> None:  # scan only: torch's unpickler builds its own allowed classes this way
+        args = self.stack.pop()
+        if not (self.scan and isinstance(self.stack[-1], _Opaque) and isinstance(args, tuple)):
+            raise _Refused("NEWOBJ on a numpy class")
+        self.stack[-1] = _Opaque()
+
     def _load_setitems(self) -> None:
-        if not isinstance(self.metastack[-1][-1] if self.metastack else None, dict):
+        if not isinstance(self.metastack[-1][-1] if self.metastack else None, (dict, _Opaque) if self.scan else dict):
             raise _Refused("SETITEMS on something that is not a dict")
         pickle._Unpickler.load_setitems(self)  # type: ignore[attr-defined]
 
     def _load_setitem(self) -> None:
-        if len(self.stack) < 3 or not isinstance(self.stack[-3], dict):
+        if len(self.stack) < 3 or not isinstance(self.stack[-3], (dict, _Opaque) if self.scan else dict):
             raise _Refused("SETITEM on something that is not a dict")
         pickle._Unpickler.load_setitem(self)  # type: ignore[attr-defined]
 
     def _load_appends(self) -> None:
-        if not isinstance(self.metastack[-1][-1] if self.metastack else None, list):
+        if not isinstance(self.metastack[-1][-1] if self.metastack else None, (list, _Opaque) if self.scan else list):
             raise _Refused("APPENDS on something that is not a list")
         pickle._Unpickler.load_appends(self)  # type: ignore[attr-defined]
 
     def _load_append(self) -> None:
-        if len(self.stack) < 2 or not isinstance(self.stack[-2], list):
+        if len(self.stack) < 2 or not isinstance(self.stack[-2], (list, _Opaque) if self.scan else list):
             raise _Refused("APPEND on something that is not a list")
         pickle._Unpickler.load_append(self)  # type: ignore[attr-defined]
 
     def _load_additems(self) -> None:
-        if not isinstance(self.metastack[-1][-1] if self.metastack else None, set):
+        if not isinstance(self.metastack[-1][-1] if self.metastack else None, (set, _Opaque) if self.scan else set):
             raise _Refused("ADDITEMS on something that is not a set")
         pickle._Unpickler.load_additems(self)  # type: ignore[attr-defined]
+
+
+class _Opaque:
+    """What a checkpoint scan stands in for torch's own objects (its classes, functions, storages and what they
+    build): torch's weights_only unpickler checks those; the scan checks only what numpy is handed."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+    def add(self, value: Any) -> None:
+        pass
+
+
+class _CheckpointScan(_PlainUnpickler):
+    """A dry run of a checkpoint's pickle before torch.load: torch's weights_only unpickler calls the numpy
+    reconstructors raysim admits (SAFE_NUMPY) with whatever they are handed, and gives a dtype whatever state
+    the file says (one with a field past its item corrupts memory), so each of those calls goes through the
+    checks of `_PlainUnpickler` first; everything else stands in as `_Opaque`, for torch to check."""
+
+    scan = True
+
+
+def _scan_checkpoint(buf: io.BytesIO, what: str) -> None:
+    """Refuse (CheckpointError) a torch.save archive any of whose pickles hands numpy more than plain data."""
+    import zipfile
+
+    try:
+        archive = zipfile.ZipFile(buf)
+        members = [i for i in archive.infolist() if i.filename.endswith(".pkl")]
+    except (zipfile.BadZipFile, ValueError, OSError, struct.error) as e:
+        raise CheckpointError(f"{what} is truncated or corrupted (not a torch.save archive: {_reason(e)})") from None
+    budget = Budget(4 * MAX_CHECKPOINT_BYTES, scope="one checkpoint", error=CheckpointError)
+    with archive:
+        for info in members:
+            try:
+                raw = archive.read(info)
+            except Exception as e:
+                raise CheckpointError(f"{what} is truncated or corrupted ({_reason(e)})") from None
+            try:
+                _CheckpointScan(_BufferReader(raw), budget=budget, what=what).load()
+            except RaysimError:
+                raise
+            except _Refused as e:
+                raise CheckpointError(f"{what} holds a pickled object that is not plain data ({str(e)[:200]}); loading it "
+                                      "could corrupt memory, so raysim refuses it") from None
+            except Exception as e:
+                raise CheckpointError(f"{what} is truncated or corrupted ({_reason(e)})") from None
+    buf.seek(0)
 
 
 def _plain_dispatch() -> dict[int, Callable[[Any], None]]:
     import pickletools
 
     names = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
-    checked = {"REDUCE": _PlainUnpickler._load_reduce, "BUILD": _PlainUnpickler._load_build,
+    checked = {"REDUCE": _PlainUnpickler._load_reduce, "BUILD": _PlainUnpickler._load_build, "NEWOBJ": _PlainUnpickler._load_newobj,
                "SETITEMS": _PlainUnpickler._load_setitems, "SETITEM": _PlainUnpickler._load_setitem,
                "APPENDS": _PlainUnpickler._load_appends, "APPEND": _PlainUnpickler._load_append,
                "ADDITEMS": _PlainUnpickler._load_additems}

@@ -392,3 +392,34 @@ def test_an_archive_listing_thousands_of_members_is_refused_before_zipfile_parse
     ok = io.BytesIO()
     np.savez(ok, **{f"a{i}": np.arange(i) for i in range(50)})
     assert np.array_equal(parse_npz(ok.getvalue(), what="ok.npz")["a49"], np.arange(49))
+
+
+# ------------------------------------------------------------------ 1, in a checkpoint: torch hands numpy the same state
+def _odd_offset_checkpoint(path: Path) -> None:
+    dt = _Reduce(np.dtype, ("O8", False, True), ODD_OFFSET)  # an object dtype: one torch's allowlist (SAFE_NUMPY) admits
+    atomic_save({"x": _array(dt, (1,), [None])}, path)
+
+
+def test_torchs_own_weights_only_load_admits_the_odd_offset_dtype(tmp_path):
+    """The refusal below could pass on a checkpoint torch refuses anyway: torch.load(weights_only=True) with raysim's
+    numpy allowlist builds the dtype with its field 1 GiB past the item (in a subprocess: memory may be corrupted)."""
+    ckpt = tmp_path / "00001.pt"
+    _odd_offset_checkpoint(ckpt)
+    code = ("import torch; from raysim.safeio import SAFE_NUMPY\n"
+            f"with torch.serialization.safe_globals(SAFE_NUMPY): x = torch.load({str(ckpt)!r}, weights_only=True)['x']\n"
+            "print('offset', x.dtype.fields['a'][1], flush=True)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=ENV)
+    assert f"offset {1 << 30}" in p.stdout, (p.returncode, p.stdout, p.stderr[-1000:])
+
+
+def test_a_checkpoint_handing_numpy_an_odd_offset_dtype_is_refused(tmp_path):
+    from raysim.safeio import safe_load, serialize
+
+    ckpt = tmp_path / "00001.pt"
+    _odd_offset_checkpoint(ckpt)
+    with pytest.raises(CheckpointError, match=rf"{ckpt} holds a pickled object that is not plain data \(a numpy dtype whose state"):
+        load_checked(ckpt, root=tmp_path)
+    plain = {"a": np.arange(5.0), "names": np.array(["ab", "c"]), "o": np.array([{"k": 1}, None], dtype=object),
+             "be": np.arange(4, dtype=">f4"), "s": np.float32(2)}
+    got = safe_load(serialize(plain))  # what the data caches hold still loads
+    assert all(np.array_equal(got[k], v) for k, v in plain.items() if k != "o") and got["o"][0] == {"k": 1}
