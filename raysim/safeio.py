@@ -362,7 +362,8 @@ class _PlainUnpickler(pickle._Unpickler):
         if func is np.dtype:
             if len(args) != 3 or type(args[0]) is not str or not (args[0] in SIMPLE_DTYPES or _STRING_DTYPE.fullmatch(args[0])) \
                     or args[1:] not in ((False, True), (0, 1)) or {type(a) for a in args[1:]} - {bool, int}:  # numpy 1 writes 0, 1
-                raise _Refused(f"numpy.dtype{_brief(args)} is not a simple numeric dtype (only {', '.join(sorted(SIMPLE_DTYPES))})")
+                raise _Refused(f"numpy.dtype{_brief(args)} is not a simple numeric dtype "
+                               f"(only {', '.join(sorted(SIMPLE_DTYPES))}, U<n> and S<n>)")
             out: Any = np.dtype(args[0], False, True)  # always a fresh copy: a later BUILD changes only this one
             self._fresh[id(out)] = out
         elif func is np_multiarray._reconstruct:
@@ -498,6 +499,8 @@ def _scan_checkpoint(buf: io.BytesIO, what: str) -> None:
                 raw = archive.read(info)
             except Exception as e:
                 raise CheckpointError(f"{what} is truncated or corrupted ({_reason(e)})") from None
+            if b"numpy" not in raw:  # torch finds a global by its literal name: without one, numpy is never reached
+                continue
             try:
                 _CheckpointScan(_BufferReader(raw), budget=budget, what=what).load()
             except RaysimError:
