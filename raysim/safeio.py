@@ -431,29 +431,33 @@ class _PlainUnpickler(pickle._Unpickler):
             raise _Refused("NEWOBJ on a numpy class")
         self.stack[-1] = _Opaque()
 
+    def _expect(self, obj: object, kind: type, opcode: str) -> None:
+        """Refuse `opcode` unless it acts on a `kind` (or, when scanning, on an object the scan left opaque)."""
+        if not isinstance(obj, (kind, _Opaque) if self.scan else kind):
+            raise _Refused(f"{opcode} on something that is not a {kind.__name__}")
+
+    def _marked(self) -> object:
+        """The object a *S opcode (SETITEMS, APPENDS, ADDITEMS) adds to: the one below the last MARK."""
+        return self.metastack[-1][-1] if self.metastack else None
+
     def _load_setitems(self) -> None:
-        if not isinstance(self.metastack[-1][-1] if self.metastack else None, (dict, _Opaque) if self.scan else dict):
-            raise _Refused("SETITEMS on something that is not a dict")
+        self._expect(self._marked(), dict, "SETITEMS")
         pickle._Unpickler.load_setitems(self)  # type: ignore[attr-defined]
 
     def _load_setitem(self) -> None:
-        if len(self.stack) < 3 or not isinstance(self.stack[-3], (dict, _Opaque) if self.scan else dict):
-            raise _Refused("SETITEM on something that is not a dict")
+        self._expect(self.stack[-3] if len(self.stack) >= 3 else None, dict, "SETITEM")
         pickle._Unpickler.load_setitem(self)  # type: ignore[attr-defined]
 
     def _load_appends(self) -> None:
-        if not isinstance(self.metastack[-1][-1] if self.metastack else None, (list, _Opaque) if self.scan else list):
-            raise _Refused("APPENDS on something that is not a list")
+        self._expect(self._marked(), list, "APPENDS")
         pickle._Unpickler.load_appends(self)  # type: ignore[attr-defined]
 
     def _load_append(self) -> None:
-        if len(self.stack) < 2 or not isinstance(self.stack[-2], (list, _Opaque) if self.scan else list):
-            raise _Refused("APPEND on something that is not a list")
+        self._expect(self.stack[-2] if len(self.stack) >= 2 else None, list, "APPEND")
         pickle._Unpickler.load_append(self)  # type: ignore[attr-defined]
 
     def _load_additems(self) -> None:
-        if not isinstance(self.metastack[-1][-1] if self.metastack else None, (set, _Opaque) if self.scan else set):
-            raise _Refused("ADDITEMS on something that is not a set")
+        self._expect(self._marked(), set, "ADDITEMS")
         pickle._Unpickler.load_additems(self)  # type: ignore[attr-defined]
 
 
