@@ -6,9 +6,11 @@ algorithm both have, side by side (docs/interop.md).
     python benchmarks/parity_htfllib.py --make-mnist-like DIR   # an offline stand-in for HtFLlib's MNIST folder
 
 raysim's side runs every listed algorithm raysim has on the folder (data.dataset=pfllib: the stored
-clients), with HtFLlib's main.py defaults (benchmarks/presets/htfllib.yaml: lr 0.01, batch 10, one local
-epoch, every client every round, d = 512, evaluated every round with eval.protocol=fedtsp, whose "local"
-is HtFLlib's metric: total correct over total test samples across clients). The other side runs when a
+clients), with benchmarks/presets/htfllib.yaml: HtFLlib's settings (lr 0.01, batch 10, one local epoch, every
+client every round, d = 512, evaluated every round with eval.protocol=fedtsp, whose "local" is HtFLlib's
+metric: total correct over total test samples across clients), each algorithm's coefficients as HtFLlib's
+total.sh passes them (SCRIPT_FLAGS: the library's side gets the same flags) and each algorithm evaluated as
+HtFLlib does (FedProto and FedTGP by the nearest global prototype). The other side runs when a
 checkout and a Python that runs it are given: the folder is linked into CHECKOUT/dataset/ and each algorithm
 is run by CHECKOUT/system/main.py with the same settings (PFLlib's side with "-m CNN", its FedAvgCNN, whose
 input PFLlib picks from the dataset's name: the link is named MNIST_... or Cifar10_... by the folder's
@@ -55,6 +57,25 @@ ALGORITHMS: list[tuple[str, str, str]] = [
     ("FedPAC", "fedpac", "pfllib"),
 ]
 HOMOGENEOUS = {"fedavg", "fedbabu", "fedpac"}  # one global model (opts.model), not a family
+
+# Each HtFLlib algorithm's coefficients as its run script passes them (HtFLlib's system/total.sh): flag -> (the
+# raysim key of the method's section in benchmarks/presets/htfllib.yaml, the value). The library's side is run with
+# these flags, raysim's with the preset; tests/benchmarks/test_parity_htfllib.py checks the preset holds each value.
+SCRIPT_FLAGS: dict[str, dict[str, tuple[str, float]]] = {
+    "FedProto": {"-lam": ("lam", 10)},
+    "FedTGP": {"-lam": ("lam", 10), "-se": ("server_epochs", 100), "-mart": ("margin_threshold", 100)},
+    "FedGH": {"-slr": ("server_lr", 0.01)},
+    "FD": {"-lam": ("lam", 1)},
+    "FML": {"-al": ("alpha", 0.5), "-bt": ("beta", 0.5)},
+    "FedKD": {"-mlr": ("mentee_lr", 0.01), "-Ts": ("T_start", 0.95), "-Te": ("T_end", 0.98)},
+    "FedGen": {"-nd": ("noise_dim", 32), "-glr": ("gen_lr", 0.1), "-hd": ("hidden_dim", 512), "-se": ("server_epochs", 100)},
+    "FedMRL": {"-sfd": ("sub_dim", 128)},
+}
+
+
+def script_flags(algorithm: str) -> list[str]:
+    """The algorithm's coefficients as HtFLlib's command-line flags (SCRIPT_FLAGS), e.g. ["-lam", "10"]."""
+    return [a for flag, (_, v) in SCRIPT_FLAGS.get(algorithm, {}).items() for a in (flag, f"{v:g}")]
 ACC_LINE = re.compile(r"Averaged Test Accurac?n?cy:\s*([0-9.]+)")  # HtFLlib / PFLlib print "Accurancy"
 
 
@@ -91,7 +112,7 @@ def make_mnist_like(out: str | Path, *, clients: int = 20, alpha: float = 0.1, s
 
 # ------------------------------------------------------------------------------------ raysim's side
 def raysim_side(folder: str, method: str, *, family: str, rounds: int, out_dir: Path, seed: int = 0,
-                overrides: Optional[dict[str, Any]] = None) -> list[float]:
+                overrides: Optional[dict[str, Any]] = None, preset: Path = PRESET) -> list[float]:
     """raysim's per-round pooled test accuracy (total correct / total test samples) of `method` on the folder."""
     from raysim.config import load_config_file, merge_config
     from raysim.config.checks import build_config
@@ -101,7 +122,7 @@ def raysim_side(folder: str, method: str, *, family: str, rounds: int, out_dir: 
     section: dict[str, Any] = {"model": _single_model(family)} if method in HOMOGENEOUS else {"model_family": family}
     if method == "fedpcl":
         section = {"model_family": family}
-    values = merge_config(load_config_file(PRESET), {
+    values = merge_config(load_config_file(preset), {
         "method": method,
         "data": {"dataset": "pfllib", "data_root": folder},
         "train": {"rounds": rounds, "seed": seed},
@@ -141,6 +162,7 @@ def library_side(lib: str, checkout: Path, python: str, folder: str, algorithm: 
            "-nc", str(num_clients), "-lbs", "10", "-lr", "0.01", "-ls", "1", "-jr", "1", "-fd", "512", "-eg", "1",
            "-dev", "cuda" if _has_cuda() else "cpu"]
     cmd += ["-m", family] if lib == "htfllib" else ["-m", "CNN"]
+    cmd += script_flags(algorithm) if lib == "htfllib" else []
     proc = subprocess.run(cmd, cwd=checkout / "system", capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -225,6 +247,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per library run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("parity_out"))
+    p.add_argument("--preset", type=Path, default=PRESET, help="raysim's run config (default: benchmarks/presets/htfllib.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config keys applied to every raysim run (fedproto.lam=10)")
     args = p.parse_args(argv)
     if args.make_mnist_like:
         print(f"wrote {make_mnist_like(args.make_mnist_like)}")
@@ -239,6 +263,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     except RaysimError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from raysim.config import parse_overrides
+
+    try:
+        overrides = parse_overrides(args.overrides)
+    except RaysimError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     wanted = {a.strip().lower() for a in args.algorithms.split(",") if a.strip()}
     chosen = [a for a in ALGORITHMS if not wanted or a[0].lower() in wanted or a[1] in wanted]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -248,7 +279,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"[raysim] {algorithm} ({method}) ...", flush=True)
         row: dict[str, Any] = {"algorithm": algorithm, "method": method, "lib": lib, "library": []}
         row["raysim"] = raysim_side(args.folder, method, family=args.family, rounds=args.rounds,
-                                    out_dir=args.out / "raysim", seed=args.seed)
+                                    out_dir=args.out / "raysim", seed=args.seed, overrides=overrides, preset=args.preset)
         checkout = args.htfllib if lib == "htfllib" else args.pfllib
         if checkout is None:
             row["missing"] = f"no --{lib} checkout"
@@ -266,7 +297,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     text = table(rows)
     missing = sorted({r["missing"] for r in rows if r.get("missing")})
     header = (f"Parity on {args.folder} ({folder_cfg['num_clients']} clients), family {args.family}, {args.rounds} rounds, "
-              "HtFLlib's main.py defaults; pooled test accuracy (%) at the best round (1-based)\n\n")
+              f"raysim with {args.preset}{' ' + ' '.join(args.overrides) if args.overrides else ''}; pooled test accuracy (%) "
+              "at the best round (1-based)\n\n")
     (args.out / "parity.md").write_text(header + text + "".join(f"\nmissing: {m}" for m in missing) + "\n")
     (args.out / "parity.json").write_text(json.dumps(rows, indent=1))
     plot(rows, args.out / "parity.png")

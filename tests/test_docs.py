@@ -188,6 +188,10 @@ NOT_IN_REPO = {
     "utils/domain_skew.py": "vpdr.md: yuCoryx/ProtoPFL_VPDR's domain loaders",
     "utils/label_skew.py": "vpdr.md: yuCoryx/ProtoPFL_VPDR's CIFAR label skew",
     "utils/tools.py": "vpdr.md: yuCoryx/ProtoPFL_VPDR's sigma calibration",
+    # interop.md / fedtsp.md: HtFLlib's (and its FedTSP fork's) client and server files, system/flcore/
+    **{f"{f}.py": "interop.md / fedtsp.md: HtFLlib's system/flcore file the preset follows" for f in (
+        "clientproto", "serverproto", "clienttgp", "servertgp", "clientfd", "clientfml", "clientkd", "servergen",
+        "clientmrl")},
 }
 # paths the restructure of issue #23 removed: no page may send a reader there
 GONE = ("raysim/engine/protocols.py", "privacy/mechanisms.py", "raysim/audit.py", "raysim/tune.py", "raysim/engine.py",

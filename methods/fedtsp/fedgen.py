@@ -1,5 +1,6 @@
 """FedGen (Zhu et al. 2021, "Data-free knowledge distillation for heterogeneous FL") on the client zoo,
-as HtFLlib runs it for fedtsp.txt Table 1 (SPEC 2.9: noise dim 32, hidden 512, generator lr 0.1).
+with the settings of fedtsp.txt Table 1 (SPEC 2.9: noise dim 32, hidden 512, generator lr 0.1); HtFLlib's
+code, and the FedTSP authors' fork behind that table, never keep the trained generator (`generator=initial`).
 
 On top of LG-FedAvg's shared head, the server learns a conditional generator G(noise, y) -> R^d of
 features that the clients' heads classify as y, and clients use it as a regulariser of their head.
@@ -21,6 +22,13 @@ Broadcast  the global head, G's weights (with its BatchNorm buffers) and the sum
            already privatised heads and the public counts only, so broadcasting it is post-processing and
            costs no privacy. Nothing is kept server-only: the optimiser is recreated every round (HtFLlib).
 Uploads    the head: an update of the broadcast head (dp.level=client); the counts are public.
+
+`generator=initial` (HtFLlib's servergen.py, the same in XinghaoWu/FedTSP_CVPR26): its server loads the saved
+G, trains that copy for server_epochs steps and never saves it back, so every client of every round samples from
+the untrained initial G (in training mode: BatchNorm on batch statistics). The server's steps change nothing
+there, so raysim skips them (the server's loss is logged as nan) and broadcasts the initial G each round: FedGen
+reduces to LG-FedAvg plus the fixed regulariser CE(h(G_0(noise, y~)), y~). `generator=trained` (default) is
+FedGen's algorithm.
 
 Round 0: the clients have no label distribution yet (the server learns it from the first uploads), so
 they train without the generator term; HtFLlib's clients already apply its untrained generator in round 0.
@@ -53,6 +61,7 @@ class Options(ZooModelOptions):
     gen_lr: float = 0.1  # the generator's Adam learning rate
     server_epochs: int = 100  # generator steps per round, one batch of the run's batch size each (HtFLlib)
     noise: str = "uniform"  # uniform: U[0, 1) (the official code's torch.rand) | gaussian: N(0, 1)
+    generator: str = "trained"  # trained: the server trains G (FedGen) | initial: clients always sample the initial G (HtFLlib)
 
     def validate(self) -> None:
         validate_common(self, "fedgen")
@@ -62,6 +71,10 @@ class Options(ZooModelOptions):
             raise ConfigError("fedgen: gen_lr > 0 and server_epochs >= 0 (0 = the generator is never trained)")
         if self.noise not in ("uniform", "gaussian"):
             raise ConfigError(f"fedgen.noise must be uniform (the official code's torch.rand) or gaussian, got {self.noise!r}")
+        if self.generator not in ("trained", "initial"):
+            raise ConfigError(f"fedgen.generator must be trained (the server trains G, FedGen's algorithm) or initial (the "
+                              f"clients sample the untrained initial G, as HtFLlib's server discards its trained copy), "
+                              f"got {self.generator!r}")
 
 
 class Generator(nn.Module):
@@ -175,7 +188,7 @@ class FedGen(LGFedAvg):
         counts = torch.stack([u.tensors["counts"].float() for u in uploads]).sum(0)
         g = self.generator(env, shared)
         losses = [float("nan")]
-        if float(counts.sum()) > 0 and self.opts.server_epochs > 0:
+        if float(counts.sum()) > 0 and self.opts.server_epochs > 0 and self.opts.generator == "trained":
             losses = train_generator(g, heads, weights, counts, steps=self.opts.server_epochs, batch=self.train.batch_size,
                                      lr=self.opts.gen_lr, noise=self.opts.noise, rng=rng)
         return ServerResult({**average_heads(uploads), **gen_state(g), "label_counts": counts}, {"loss": losses[-1]})

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -34,10 +35,15 @@ from torch.utils.data import Dataset
 from raysim.data.base import DatasetBundle, ImageSet, LoadSpec, register_dataset
 from raysim.data.partition import PARTITIONERS, ClientSplit, PartitionSpec
 from raysim.errors import ConfigError, DataError
-from raysim.safeio import parse_npz, read_regular
+from raysim.safeio import Budget, parse_npz, read_regular
 
 CONFIG = "config.json"
 MAX_CONFIG_BYTES = 64 << 20  # a config.json listing label counts of 100,000 clients stays far below this
+# documented maxima (docs/security.md): MAX_FOLDER_CLIENTS is raysim.config.checks.MAX_CLIENTS (train.num_clients),
+# which this layer cannot import; a folder claiming more classes is a typo or an attack (heads, class names and
+# per-class statistics are sized by it)
+MAX_FOLDER_CLIENTS = 100_000
+MAX_CLASSES = 100_000
 STATISTIC_KEY = "Size of samples for labels in clients"
 LAYOUT = ("PATH/config.json (with num_clients and num_classes), PATH/train/<i>.npz and PATH/test/<i>.npz for "
           "i = 0 .. num_clients-1, each np.savez_compressed(f, data={'x': X, 'y': Y}) (PFLlib's save_file)")
@@ -58,7 +64,9 @@ class PfllibFolder:
 
 
 def read_config(root: str | Path) -> dict[str, Any]:
-    """The folder's config.json (checked: a mapping whose num_clients and num_classes are positive integers)."""
+    """The folder's config.json, checked: a JSON object (no NaN or Infinity anywhere: json.dumps would write it
+    back as is, and a resume could never match it) whose num_clients and num_classes are positive integers of at
+    most MAX_FOLDER_CLIENTS and MAX_CLASSES."""
     root = Path(root).expanduser()
     path = root / CONFIG
     if not path.is_file():
@@ -66,42 +74,90 @@ def read_config(root: str | Path) -> dict[str, Any]:
     raw = read_regular(path, max_bytes=MAX_CONFIG_BYTES)
     try:
         cfg = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{path} is not valid JSON ({e})") from None
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, or an integer of thousands of digits
+        raise DataError(f"{path} is not valid JSON ({str(e)[:200]})") from None
+    except RecursionError:
+        raise DataError(f"{path} is nested too deeply to be a PFLlib config.json") from None
     if not isinstance(cfg, dict):
         raise DataError(f"{path} must hold a JSON object, got {type(cfg).__name__}")
-    for key in ("num_clients", "num_classes"):
+    bad = _non_finite(cfg)
+    if bad is not None:
+        raise DataError(f"{path}: {bad} is NaN or infinite, which JSON cannot hold (a run recording it could never be "
+                        "resumed); write a number or null there")
+    for key, most in (("num_clients", MAX_FOLDER_CLIENTS), ("num_classes", MAX_CLASSES)):
         v = cfg.get(key)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise DataError(f"{path}: {key} must be a positive integer, got {v!r}. Expected layout: {LAYOUT}.")
+            raise DataError(f"{path}: {key} must be a positive integer, got {_shown(v)}. Expected layout: {LAYOUT}.")
+        if v > most:
+            raise DataError(f"{path}: {key} is at most {most:,} (raysim's documented maximum, docs/security.md), got {_shown(v)}")
     return cfg
 
 
-def _client_arrays(path: Path, raw: bytes, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
-    """(x, y) of one client archive (its bytes `raw`), checked: a dict with numeric x of N rows and integer
-    labels y in [0, C)."""
-    content = parse_npz(raw, what=str(path))
+def _non_finite(obj: Any) -> Optional[str]:
+    """The key path (`alpha`, `Size of samples...[3][0]`) of the first NaN or infinite number in `obj`, or None."""
+    todo: list[tuple[str, Any]] = [("", obj)]
+    while todo:
+        where, v = todo.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            return where or "the value"
+        if isinstance(v, dict):
+            todo.extend((f"{where}.{str(k)[:60]}" if where else str(k)[:60], x) for k, x in v.items())
+        elif isinstance(v, list):
+            todo.extend((f"{where}[{i}]", x) for i, x in enumerate(v))
+    return None
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
+
+
+def _client_arrays(path: Path, raw: bytes, num_classes: int, budget: Budget) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) of one client archive (its bytes `raw`, unpacked within `budget`), checked: a dict holding a
+    real-valued, finite numpy array x of N >= 1 rows and a numpy array y of N integer labels in [0, C)."""
+    content = parse_npz(raw, what=str(path), budget=budget)
     data = content.get("data")
     if not isinstance(data, dict) or "x" not in data or "y" not in data:
-        raise DataError(f"{path} must hold data={{'x': X, 'y': Y}} (PFLlib's save_file); it holds {sorted(content)}")
-    x, y = np.asarray(data["x"]), np.asarray(data["y"])
-    if x.dtype.hasobject or not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
-        raise DataError(f"{path}: x must be a numeric array, got dtype {x.dtype}")
-    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
-        raise DataError(f"{path}: y must be a 1-D integer array, got shape {y.shape} and dtype {y.dtype}")
+        raise DataError(f"{path} must hold data={{'x': X, 'y': Y}} (PFLlib's save_file); it holds {sorted(content)[:10]}")
+    x, y = data["x"], data["y"]
+    for key, v in (("x", x), ("y", y)):  # never np.asarray of a list: one row listed 10^6 times would become 10^6 rows
+        if not isinstance(v, np.ndarray):
+            raise DataError(f"{path}: {key} must be a numpy array (PFLlib's save_file writes arrays), got a {type(v).__name__}")
+    if x.dtype.kind not in "biuf":
+        raise DataError(f"{path}: x must be a real-valued numeric array, got dtype {x.dtype}")
+    if y.ndim != 1 or y.dtype.kind not in "iu":
+        raise DataError(f"{path}: y must be a 1-D integer array, got shape {_shown(y.shape)} and dtype {y.dtype}")
     if x.ndim < 2 or x.shape[0] != y.shape[0]:
-        raise DataError(f"{path}: x has shape {x.shape}, which does not give one row per label of y ({y.shape[0]})")
-    if len(y) and (int(y.min()) < 0 or int(y.max()) >= num_classes):
-        raise DataError(f"{path}: labels must lie in [0, {num_classes}) (config.json num_classes), got {int(y.min())}..{int(y.max())}")
+        raise DataError(f"{path}: x has shape {_shown(x.shape)}, which does not give one row per label of y ({y.shape[0]})")
+    if len(y) == 0:
+        raise DataError(f"{path} holds no samples: every client needs train and test samples (PFLlib's split gives each "
+                        "some); remove the client or give it samples")
+    if x.dtype.kind == "f":
+        step = max(1, (1 << 24) // max(1, x[0].size))  # a bounded scratch array per block of rows
+        for i in range(0, len(x), step):
+            if not np.isfinite(x[i:i + step]).all():
+                raise DataError(f"{path}: x holds NaN or infinite values (from row {i}); a model cannot train on them")
+    lo, hi = int(y.min()), int(y.max())
+    if lo < 0 or hi >= num_classes:
+        raise DataError(f"{path}: labels must lie in [0, {num_classes}) (config.json num_classes), got {lo}..{hi}")
     return x, y.astype(np.int64)
 
 
-def read_folder(root: str | Path) -> PfllibFolder:
+def read_folder(root: str | Path, *, max_bytes: Optional[int] = None) -> PfllibFolder:
     """Read a PFLlib / HtFLlib dataset folder safely (see the module docstring); every client of
-    config.json's num_clients must have its train and test archive, of one shape of x across clients."""
+    config.json's num_clients must have its train and test archive (and no other archive may be there), of
+    one shape of x across clients. Everything the archives unpack to, all together, is charged to one
+    `raysim.safeio.Budget` of `max_bytes` (default MAX_DATA_BYTES, RAYSIM_MAX_DATA_BYTES in the environment)."""
     root = Path(root).expanduser()
     cfg = read_config(root)
     K, C = int(cfg["num_clients"]), int(cfg["num_classes"])
+    budget = Budget(max_bytes, scope=f"the PFLlib folder {root}")
+    for split in ("train", "test"):  # before any archive is unpacked
+        names = {f"{i}.npz" for i in range(K)}
+        extra = sorted(p.name for p in (root / split).glob("*.npz") if p.name not in names) if (root / split).is_dir() else []
+        if extra:
+            raise DataError(f"{root}/{split} holds archives beyond config.json's num_clients={K} "
+                            f"({', '.join(e[:40] for e in extra[:5])}); fix num_clients or remove them")
     digests = [hashlib.sha256(read_regular(root / CONFIG, max_bytes=MAX_CONFIG_BYTES)).hexdigest()]
     train: list[tuple[np.ndarray, np.ndarray]] = []
     test: list[tuple[np.ndarray, np.ndarray]] = []
@@ -110,16 +166,12 @@ def read_folder(root: str | Path) -> PfllibFolder:
             path = root / split / f"{i}.npz"
             if not path.is_file():
                 raise DataError(f"{path} is missing. Expected layout: {LAYOUT}.")
-            raw = read_regular(path, root=root)  # size-capped, a regular file inside the folder
-            out.append(_client_arrays(path, raw, C))
+            raw = read_regular(path, root=root, max_bytes=budget.limit)  # a regular file inside the folder
+            out.append(_client_arrays(path, raw, C, budget))
             digests.append(hashlib.sha256(raw).hexdigest())
     shapes = {x.shape[1:] for x, _ in train + test}
     if len(shapes) != 1:
-        raise DataError(f"{root}: the clients' x arrays differ in shape per sample ({sorted(shapes)}); one dataset has one")
-    extra = sorted(p.name for p in (root / "train").glob("*.npz") if p.stem not in {str(i) for i in range(K)})
-    if extra:
-        raise DataError(f"{root}/train holds archives beyond config.json's num_clients={K} ({', '.join(extra[:5])}); "
-                        "fix num_clients or remove them")
+        raise DataError(f"{root}: the clients' x arrays differ in shape per sample ({sorted(shapes)[:4]}); one dataset has one")
     return PfllibFolder(cfg, train, test, digests)
 
 
