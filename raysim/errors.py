@@ -29,7 +29,7 @@ class RunFolderLocked(ConfigError):
     """Another live process is writing the run folder (out_dir)."""
 
 
-SHOWN_CHARS = 80  # the most characters of a user's value an error message repeats
+SHOWN_CHARS = 300  # the most characters of a user's value an error message repeats (a long file path fits whole)
 
 
 def shown(value: object, limit: int = SHOWN_CHARS) -> str:
@@ -45,8 +45,12 @@ def shown(value: object, limit: int = SHOWN_CHARS) -> str:
         text = r.repr(value)
     except (ValueError, RecursionError, TypeError):  # an integer of more digits than int->str allows, an odd object
         return f"<a {type(value).__name__} too large to show>"
-    if isinstance(value, (str, bytes, list, tuple, dict, set)) and len(value) > limit:
-        text = f"{text[: limit - 24]} ({len(value):,} {'characters' if isinstance(value, (str, bytes)) else 'items'})"
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        # head and tail: a too-long path still shows where it starts and the file name it ends with
+        keep = (limit - 40) // 2
+        text = f"{value[:keep]!r}...{value[-keep:]!r} ({len(value):,} characters)"
+    elif isinstance(value, (list, tuple, dict, set)) and len(value) > limit:
+        text = f"{text[: limit - 24]} ({len(value):,} items)"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

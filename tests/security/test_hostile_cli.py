@@ -123,8 +123,10 @@ def test_a_config_yaml_with_a_repeated_value_reads_back():
 def test_shown_is_one_bounded_line_for_any_value(value):
     text = shown(value)
     assert len(text) <= SHOWN_CHARS and "\n" not in text
-    if len(repr(value)) <= SHOWN_CHARS - 24 and not isinstance(value, int):
-        assert text == repr(value)  # short values are shown as they are
+    if len(repr(value)) <= SHOWN_CHARS - 24 and isinstance(value, str):
+        assert text == repr(value)  # a short string (a path, a name) is shown as it is
+    if isinstance(value, str) and len(value) > SHOWN_CHARS:
+        assert text.startswith(repr(value[:8])[:-1]) and "characters)" in text  # its head and its length
 
 
 def test_a_huge_value_in_any_string_or_list_key_is_named_not_echoed():

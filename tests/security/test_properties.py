@@ -87,12 +87,15 @@ def damage(folder: Path, files: list[Path], picks: list[tuple[int, str, int]], o
         f = files[i % len(files)]
         if not f.exists() and not f.is_symlink():
             continue
+        # in place, never reading the whole file: an earlier "grow" may have made it a sparse 8 GiB
         if how == "truncate" and f.is_file():
-            f.write_bytes(f.read_bytes()[: n % (f.stat().st_size + 1)])
+            os.truncate(f, n % (f.stat().st_size + 1))
         elif how == "flip" and f.is_file() and f.stat().st_size:
-            b = bytearray(f.read_bytes())
-            b[n % len(b)] ^= 0xFF
-            f.write_bytes(bytes(b))
+            with f.open("r+b") as h:
+                h.seek(n % f.stat().st_size)
+                b = h.read(1)
+                h.seek(-1, os.SEEK_CUR)
+                h.write(bytes([b[0] ^ 0xFF]))
         elif how == "delete":
             f.unlink()
         elif how in ("dev_zero", "outside", "fifo"):
