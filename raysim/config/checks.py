@@ -209,6 +209,8 @@ def _validate_data(d: DataConfig) -> None:
     _check(d.partition in PARTITIONERS, f"data.partition must be one of {', '.join(PARTITIONERS.names())}, got {d.partition!r}")
     _check(d.beta > 0 and math.isfinite(d.beta), f"data.beta must be a positive number, got {d.beta}")
     _check(d.shots >= 0, f"data.shots must be >= 0 (0 = use all training images), got {d.shots}")
+    _check(not d.domain_reseed or d.partition == "domain",
+           f"data.domain_reseed=true is the FedSEPT code's domain split; it needs data.partition=domain (got {d.partition!r})")
     _check(d.min_samples >= 0, f"data.min_samples must be >= 0 (0 = the partition's default), got {d.min_samples}")
     _check((d.partition == "stored") == (d.dataset == "pfllib"),
            "data.partition=stored (the clients a folder stores) goes with data.dataset=pfllib, and only with it")

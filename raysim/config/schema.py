@@ -97,6 +97,9 @@ class DataConfig:
     # redraw the Dirichlet split until every client has this many samples; 0 = the partition's default:
     # dirichlet 10 train and 10 test samples, pfllib 40 samples in all (PFLlib's least_samples)
     min_samples: int = 0
+    # data.partition=domain only: as the FedSEPT code, re-seed numpy to 0 before each class's shuffle and Dirichlet draw,
+    # so every class of a domain gets the same proportions until a client is full (SPEC 1.9 item 9; train.seed unused)
+    domain_reseed: bool = False
     # keep this random fraction of each domain's training split (the whole split without domains), drawn from
     # the run seed, the test split whole (raysim/data/subset.py): the VPDR code's keep_ratio, 0.1 for Digits and
     # 0.3 for PACS and Office-Caltech; 1 = every training image

@@ -51,6 +51,7 @@ def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationDat
         beta=cfg.data.beta,
         shots=cfg.data.shots,
         min_samples=cfg.data.min_samples,
+        domain_reseed=cfg.data.domain_reseed,
         train_domains=bundle.train.domains,
         test_domains=bundle.test.domains,
     )
