@@ -34,6 +34,12 @@ class TrainConfig:
     batch_size: int = 32
     lr: float = 0.01  # client SGD of the prompt methods (the papers use 0.001-0.002 with ViT-B/16)
     momentum: float = 0.9
+    # fresh: a new SGD state per client per round | shared: one SGD state every client's round continues, client after
+    # client in id order and round after round, as the FedSEPT code's one optimiser for all clients (a simulation
+    # artifact of that code: its momentum carries one client's gradients into the next; no deployment could do it).
+    # Needs one client host (execution.backend=inline or execution.num_actors=1), trains client by client, and under
+    # DP marks every ledger invalid (docs/papers/fedsept.md "One optimiser for all clients")
+    optimizer_state: str = "fresh"
     weight_decay: float = 5e-4
     n_ctx: int = 4  # learned context tokens of the CoOp prompt (the papers use 16)
     # PromptFL starts its context from this phrase; "" = random N(0, 0.02^2) (methods that do not read it take only those two)
