@@ -213,6 +213,9 @@ def _validate_data(d: DataConfig) -> None:
     _check(d.shots >= 0, f"data.shots must be >= 0 (0 = use all training images), got {d.shots}")
     _check(not d.domain_reseed or d.partition == "domain",
            f"data.domain_reseed=true is the FedSEPT code's domain split; it needs data.partition=domain (got {d.partition!r})")
+    _check(d.cifar_transform in ("clip", "official"),
+           f"data.cifar_transform must be clip (CLIP's normalisation) or official (the FedSEPT code's CIFAR mean/std, then "
+           f"resize), got {d.cifar_transform!r}")
     _check(d.min_samples >= 0, f"data.min_samples must be >= 0 (0 = the partition's default), got {d.min_samples}")
     _check((d.partition == "stored") == (d.dataset == "pfllib"),
            "data.partition=stored (the clients a folder stores) goes with data.dataset=pfllib, and only with it")

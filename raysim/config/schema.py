@@ -117,6 +117,9 @@ class DataConfig:
     # the (round, client) stream; "off" = the test transform for training too; "auto" = official where that code
     # augments (FedSEPT: the CoOp and domain datasets; VPDR: vpdr_digits, pacs, office_caltech10), off elsewhere
     augment: str = "auto"
+    # CIFAR's deterministic transform (raysim/data/folders.py): clip = ToTensor, Resize(bicubic), CLIP's mean/std;
+    # official = the FedSEPT code's: ToTensor, the CIFAR set's own mean/std, then Resize (bilinear)
+    cifar_transform: str = "clip"
     augment_views: int = 8  # augmented views per training image (the official code draws a fresh one every epoch)
     # data.dataset=pfllib: the folder's config.json, recorded here when the config is built (not set by hand)
     folder_config: dict[str, Any] = field(default_factory=dict)

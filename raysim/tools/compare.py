@@ -11,6 +11,7 @@ product); the remaining `key=value` arguments apply to every run. A spec file (Y
 
     title: ...
     layout: in_cross            # in_cross (FedSEPT) | fedtsp (FedTSP Table 1/3) | vpdr (VPDR Table 1)
+    columns: [{label: CIFAR-10, data.dataset: cifar10}, ...]   # optional: named column groups, each setting several keys
     rounds: 10
     methods: [promptfl, "fedsept:rank=8", {label: "FedSEPT w/o R", method: fedsept, fedsept: {variant: wo_r}}]
     grid: {data.beta: [0.1, 0.5]}
@@ -121,9 +122,10 @@ def spec_from_args(argv: Sequence[str]) -> tuple[CompareSpec, argparse.Namespace
     a.spec = specs[0] if specs else ""
     a.overrides = [w for w in a.overrides if "=" in w]
     raw: dict[str, Any] = load_yaml(a.spec) if a.spec else {}
-    unknown = set(raw) - {"title", "layout", "rounds", "methods", "grid", "setting", "seeds"}
+    unknown = set(raw) - {"title", "layout", "rounds", "methods", "grid", "setting", "seeds", "columns"}
     if unknown:
-        raise ConfigError(f"{a.spec}: unknown keys {sorted(unknown)}; a spec has title, layout, rounds, methods, grid, setting, seeds")
+        raise ConfigError(f"{a.spec}: unknown keys {sorted(unknown)}; a spec has title, layout, rounds, methods, grid, setting, "
+                          "seeds, columns")
     if a.max_concurrent < 0:
         raise ConfigError(f"--max-concurrent must be >= 1 (or left out: as many as the cluster holds), got {a.max_concurrent}")
     methods = [entry_from(m) for m in raw.get("methods", [])]
@@ -155,9 +157,31 @@ def spec_from_args(argv: Sequence[str]) -> tuple[CompareSpec, argparse.Namespace
     seeds = parse_seeds(a.seeds.split(",") if a.seeds else raw.get("seeds") or [])
     if "train.seed" in grid and seeds:
         raise ConfigError("compare: train.seed is both a --grid key and --seeds; seeds are replicates, pass them once as --seeds")
-    spec = CompareSpec(methods=methods, grid=grid, setting=setting, layout=layout, seeds=seeds,
+    columns = parse_columns(raw.get("columns"), a.spec)
+    spec = CompareSpec(methods=methods, grid=grid, setting=setting, layout=layout, seeds=seeds, columns=columns,
                        rounds=int(a.rounds or raw.get("rounds", 0)), title=a.title or str(raw.get("title", "")))
     return spec, a
+
+
+def parse_columns(raw: Any, where: str) -> dict[str, dict[str, Any]]:
+    """A spec's `columns:` (a list of {label: ..., key: value, ...}, keys dotted or as sections): {label: sections}."""
+    from raysim.config import move_flat_keys
+    from raysim.config.load import check_sections, expand_dotted_keys
+
+    if raw is None:
+        return {}
+    if not isinstance(raw, list) or not all(isinstance(c, dict) and isinstance(c.get("label"), str) for c in raw):
+        raise ConfigError(f"{where}: columns is a list of mappings, each with a label and the keys it sets "
+                          "(columns: [{label: CIFAR-10, data.dataset: cifar10, data.beta: 0.1}])")
+    out: dict[str, dict[str, Any]] = {}
+    for c in raw:
+        label = c["label"]
+        if label in out:
+            raise ConfigError(f"{where}: two columns share the label {label!r}")
+        body = {k: v for k, v in c.items() if k != "label"}
+        check_sections(expand_dotted_keys(body), f"{where}: column {label!r}")
+        out[label] = move_flat_keys(expand_dotted_keys(body))
+    return out
 
 
 def parse_seeds(items: Any) -> list[int]:
@@ -182,7 +206,7 @@ def run_values(spec: CompareSpec, entry: Entry, cell: dict[str, Any], out_dir: P
 
     values = merge_config(spec.setting, {"method": entry.method})
     for k, v in cell.items():
-        values = merge_config(values, unflatten({k: v}))
+        values = merge_config(values, spec.columns[v] if k == "column" else unflatten({k: v}))
     values = merge_config(values, entry.overrides)
     extra: dict[str, Any] = {"output": {"out_dir": str(out_dir), "progress": False}}
     if spec.rounds:
