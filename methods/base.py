@@ -25,6 +25,8 @@ the fresh broadcast, uploading nothing. Each half gets its own rng stream ("rele
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterator, Optional, Protocol, Sequence
 
@@ -135,6 +137,67 @@ class PrivacyHandle(Protocol):
 Predictor = Callable[..., Tensor]  # predict(features) -> logits, or predict(features, tokens)
 
 
+_CARRY: ContextVar[Optional["OptimizerCarry"]] = ContextVar("raysim_optimizer_carry", default=None)
+
+
+@dataclass
+class OptimizerCarry:
+    """train.optimizer_state=shared: one SGD state that every client's local round continues, in the order the
+    host trains them (client id order, round after round), as the FedSEPT code's one trainer and optimiser for all
+    clients leave SGD's momentum buffers from one client to the next (SPEC 1.7).
+
+    A simulation artifact of the official code, not something a deployment could do: a client's momentum is a
+    running sum of its (private, un-noised for R and the router) gradients, and no real client receives another's.
+    The host holds it (one host for all clients), hands it to each client's round (`carrying`) and checkpoints it;
+    under DP each client's ledger records that its guarantee does not hold (privacy/host.py `hand_on_optimizer`).
+    `buffers`: SGD's momentum buffer of each trained tensor, in the order of the optimiser's parameters (None:
+    never stepped)."""
+
+    buffers: Optional[list[Optional[Tensor]]] = None
+
+    def load_into(self, opt: torch.optim.Optimizer) -> None:
+        """Start `opt` (fresh, built over a client's tensors) from the carried momentum, tensor by tensor."""
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if self.buffers is None:
+            return
+        if len(self.buffers) != len(params) or any(b is not None and b.shape != p.shape for b, p in zip(self.buffers, params)):
+            from raysim.errors import ConfigError
+
+            raise ConfigError("train.optimizer_state=shared: this client's trained tensors differ in number or shape from the "
+                              "previous client's, so there is no one SGD state to continue; set train.optimizer_state=fresh")
+        for b, p in zip(self.buffers, params):
+            if b is not None:
+                opt.state[p]["momentum_buffer"] = b.to(p.device, copy=True)
+
+    def take_from(self, opt: torch.optim.Optimizer) -> None:
+        """Keep `opt`'s momentum buffers (after the client's last step) for the next client."""
+        params = [p for g in opt.param_groups for p in g["params"]]
+        got = [opt.state.get(p, {}).get("momentum_buffer") for p in params]
+        self.buffers = [None if b is None else b.detach().to("cpu", copy=True) for b in got]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"buffers": self.buffers}
+
+    @classmethod
+    def from_dict(cls, d: Optional[dict[str, Any]]) -> "OptimizerCarry":
+        return cls(buffers=None if not d else d.get("buffers"))
+
+
+@contextmanager
+def carrying(carry: Optional[OptimizerCarry]) -> Iterator[None]:
+    """Run a client's local round with `carry` as its SGD state (None: a fresh one, the default)."""
+    token = _CARRY.set(carry)
+    try:
+        yield
+    finally:
+        _CARRY.reset(token)
+
+
+def carried_optimizer() -> Optional[OptimizerCarry]:
+    """The SGD state the running local round continues (train.optimizer_state=shared), or None: start fresh."""
+    return _CARRY.get()
+
+
 class Method:
     """Base class of every federated method. Subclasses fill in the halves of their algorithm box."""
 
@@ -240,6 +303,11 @@ class Method:
         (execution.client_threads); each client's computation is the same as client by client, so the
         results are bitwise the same. False (the default): client by client."""
         return False
+
+    def shares_optimizer_state(self) -> bool:
+        """Whether train.optimizer_state=shared can be honoured: the local round steps one torch SGD whose state the
+        host can hand from client to client (`OptimizerCarry`). False (the default): refused at config time."""
+        return not self.trains
 
     def predicts_globally(self) -> bool:
         """Whether this instance's predictor is the same for every client (`global_predictor`, unless an

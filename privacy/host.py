@@ -318,6 +318,18 @@ class RoundPrivacy:
         self._record(self.host.gaussian_release(self.cid, name, mech.name, z, self.round))
         return mech.apply(value.detach().float().cpu(), clip=clip, multiplier=z, generator=gen)  # type: ignore[attr-defined]
 
+    def hand_on_optimizer(self) -> None:
+        """train.optimizer_state=shared (methods/base.py OptimizerCarry): this client's SGD momentum, a running sum of its
+        gradients (un-noised for its private tensors), goes on into the next client's training and so into uploads no
+        noise of this client's covers. Under DP that is recorded, not hidden: an invalid release (sigma 0, so the
+        ledger's epsilon is inf) that claims dp.epsilon, the epsilon the official code reports."""
+        if not self.host.dp.enabled:
+            return
+        self.pending.append(Release("shared_optimizer_state", 0.0, 1.0, 1, self.round, valid=False,
+                                    claimed_epsilon=float(self.host.dp.epsilon),
+                                    note="does not hold: train.optimizer_state=shared hands each client's SGD momentum "
+                                         "(un-noised for its private tensors) to the next client's training"))
+
     # -- what the host does after local training ---------------------------------------------------
     def close(self, upload: dict[str, Any]) -> dict[str, Tensor]:
         """Check every uploaded tensor against its declared release, apply the update release, and record

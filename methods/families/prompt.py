@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from raysim.methods.base import ClientData, EnvSpec, LocalResult, Method
+from raysim.methods.base import ClientData, EnvSpec, LocalResult, Method, carried_optimizer
 
 Contexts = Union[Tensor, tuple[Tensor, ...]]  # what step_contexts returns: (n, L, w) contexts, or several of other lengths
 ParamOrGroup = TypeVar("ParamOrGroup", Tensor, dict[str, Any])  # what torch.optim takes: tensors, or param groups
@@ -84,6 +84,11 @@ class ClipPromptMethod(Method):
     # True: a stack's forward is CoOpPrompts.text_features over all its contexts, each client's rows computed as its
     # own forward computes them (bitwise client by client without DP), instead of the faster shared-prefix forward
     stack_full_forward: bool = False
+
+    def shares_optimizer_state(self) -> bool:
+        """train.optimizer_state=shared is honoured where the local round is `train_clients` (the step hooks): its one
+        SGD starts from the carried state and leaves its own in it (`OptimizerCarry`)."""
+        return not self.trains or ClipPromptMethod.supports_batching(self)
 
     def supports_batching(self) -> bool:
         """True when `batched_local_train` is this method's local_train, stacked: `batched_context` is set by the
@@ -155,6 +160,10 @@ class ClipPromptMethod(Method):
         `OneClient` around a client's own handle (`local_train`)."""
         cs = [self.step_start(env, shared, j.private, j.rng) for j in jobs]
         opt = sgd([g for c in cs for g in c.groups()], self.train)  # SGD is elementwise per tensor: per client in effect
+        carry = carried_optimizer()  # train.optimizer_state=shared: the previous client's SGD state (the host's, one client a call)
+        if carry is not None:
+            assert len(jobs) == 1, "a carried SGD state goes from one client to the next: no stacks"
+            carry.load_into(opt)
         ys = [j.data.y_train.to(env.device) for j in jobs]
         steps = [self._steps(privacy, k, j) for k, j in enumerate(jobs)]
         xs: list[dict[int, tuple[Tensor, Optional[Tensor]]]] = [{} for _ in jobs]  # an epoch's (features, tokens)
@@ -188,6 +197,8 @@ class ClipPromptMethod(Method):
                 if cast(tuple[int, Tensor, bool], now[k])[2]:  # the epoch's last batch
                     self.step_epoch_end(env, cs[k], jobs[k].rng)
                 now[k] = next(steps[k], None)
+        if carry is not None:
+            carry.take_from(opt)
         names = self.client_metrics or ("loss",)
         new = [self.step_private(c) for c in cs]
         return [LocalResult(upload={n: t.detach().cpu() for n, t in c.dp.items()},

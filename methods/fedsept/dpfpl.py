@@ -161,6 +161,10 @@ class DPFPL(ClipPromptMethod):
         """dp_mode=per_example stacks clients (plain or DP-SGD steps); the lock-step reference round does not."""
         return not self.lockstep and super().supports_batching()
 
+    def shares_optimizer_state(self) -> bool:
+        """dp_mode=per_example steps one SGD (train_clients); the lock-step reference round keeps its own per client."""
+        return not self.lockstep and super().shares_optimizer_state()
+
     def local_train(self, env, shared, private, data: ClientData, *, rng, privacy) -> LocalResult:
         if self.lockstep:
             return self._lockstep_train(env, shared, private, data, rng=rng, privacy=privacy)

@@ -106,6 +106,11 @@ class FedPHA(ClipPromptMethod):
         self._env: Any = None
         self._lmax: int | None = None
 
+    def shares_optimizer_state(self) -> bool:
+        """No: its local prompts differ in length from client to client (the code keeps one momentum per client's
+        prompt in its one optimiser, which train.optimizer_state=shared does not reproduce)."""
+        return False
+
     # -- prompt lengths and encodings -------------------------------------------------------
     def local_length(self, client_id: int) -> int:
         """l_k, a function of (train.seed, client id) only: every host derives the same value."""

@@ -11,6 +11,9 @@ DP    DP-SGD on A alone (Eq. 11); R and the router take the plain gradient. L_di
       which is public after each release; `div_outside_dp=true` adds its gradient after clipping and
       noising (no privacy cost) instead of inside every clipped per-example gradient (the paper's Eq. 11).
 Server  expert-wise weighted average of A (Eq. 12).
+SGD   a fresh state per client per round; train.optimizer_state=shared continues one SGD state from client to client
+      as the official code's one optimiser does (a simulation artifact, not a deployable protocol: another client's
+      momentum reaches this one). The host carries it (methods/base.py OptimizerCarry); nothing here changes.
 Stacks  the step hooks below are the local round for one client or a client-batched stack
         (ClipPromptMethod.train_clients, execution.batch_clients): the M expert prompts of every client in one
         text-tower forward; the router is a private module (no weight decay), its dropout draws from the

@@ -184,6 +184,8 @@ def validate(cfg: RunConfig) -> None:
            f"train.ctx_init={_short(cfg.train.ctx_init)!r} sets the phrase a learnt CoOp context starts from, but {cfg.method} "
            f"does not start its prompts from it (it would be ignored); leave train.ctx_init at its default, or use a method "
            f"that does (promptfl, pfedmoap, fedsept with fedsept.r_init=phrase)")
+    if cfg.train.optimizer_state == "shared":
+        _validate_shared_optimizer(cfg, method)
     from raysim.data.augment import augment_mode
 
     # data.augment=official where it cannot apply (a method training its own image model without an augmentation of
@@ -207,6 +209,11 @@ def _validate_data(d: DataConfig) -> None:
     _check(d.partition in PARTITIONERS, f"data.partition must be one of {', '.join(PARTITIONERS.names())}, got {shown(d.partition)}")
     _check(d.beta > 0 and math.isfinite(d.beta), f"data.beta must be a positive number, got {d.beta}")
     _check(d.shots >= 0, f"data.shots must be >= 0 (0 = use all training images), got {d.shots}")
+    _check(not d.domain_reseed or d.partition == "domain",
+           f"data.domain_reseed=true is the FedSEPT code's domain split; it needs data.partition=domain (got {d.partition!r})")
+    _check(d.cifar_transform in ("clip", "official"),
+           f"data.cifar_transform must be clip (CLIP's normalisation) or official (the FedSEPT code's CIFAR mean/std, then "
+           f"resize), got {d.cifar_transform!r}")
     _check(d.min_samples >= 0, f"data.min_samples must be >= 0 (0 = the partition's default), got {d.min_samples}")
     _check((d.partition == "stored") == (d.dataset == "pfllib"),
            "data.partition=stored (the clients a folder stores) goes with data.dataset=pfllib, and only with it")
@@ -273,7 +280,30 @@ def _validate_train(t: TrainConfig) -> None:
     _check(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
     _check(t.momentum >= 0 and t.weight_decay >= 0, "train.momentum and train.weight_decay must be >= 0")
     _check(t.n_ctx >= 1, f"train.n_ctx must be >= 1, got {t.n_ctx}")
+    _check(t.optimizer_state in OPTIMIZER_STATES,
+           f"train.optimizer_state must be fresh (a new SGD state per client per round) or shared (the FedSEPT code's one "
+           f"optimiser for all clients), got {t.optimizer_state!r}")
     _check(0 <= t.seed < 2**63, f"train.seed must be in [0, 2^63), got {_short(t.seed)}")
+
+
+OPTIMIZER_STATES = ("fresh", "shared")
+
+
+def _validate_shared_optimizer(cfg: RunConfig, method: Any) -> None:
+    """train.optimizer_state=shared (methods/base.py OptimizerCarry): one SGD state handed from client to client in id
+    order. It is honoured only where that order is one chain on one host, and where the method steps one SGD."""
+    x = cfg.execution
+    _check(method.shares_optimizer_state(),
+           f"train.optimizer_state=shared hands one SGD state from client to client, but {cfg.method}'s local round does not "
+           "step one SGD over tensors of one shape for every client; set train.optimizer_state=fresh for it")
+    one_host = x.placement == "pooled" and (x.num_actors == 1 or (x.backend == "inline" and x.num_actors == 0))
+    _check(one_host or cfg.train.num_clients == 1,
+           "train.optimizer_state=shared carries one SGD state through every client in id order, which needs every client on "
+           "one host: set execution.num_actors=1 (or execution.backend=inline with execution.num_actors=0); with several "
+           "client hosts (several Ray actors or nodes) the chain would have to cross hosts between clients")
+    _check(x.on_client_error == "fail",
+           "train.optimizer_state=shared cannot drop a failed client (execution.on_client_error=drop): the next client would "
+           "continue an SGD state the dropped one had already changed; set execution.on_client_error=fail")
 
 
 def _validate_eval(e: EvalConfig, t: TrainConfig) -> None:

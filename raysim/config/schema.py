@@ -34,6 +34,12 @@ class TrainConfig:
     batch_size: int = 32
     lr: float = 0.01  # client SGD of the prompt methods (the papers use 0.001-0.002 with ViT-B/16)
     momentum: float = 0.9
+    # fresh: a new SGD state per client per round | shared: one SGD state every client's round continues, client after
+    # client in id order and round after round, as the FedSEPT code's one optimiser for all clients (a simulation
+    # artifact of that code: its momentum carries one client's gradients into the next; no deployment could do it).
+    # Needs one client host (execution.backend=inline or execution.num_actors=1), trains client by client, and under
+    # DP marks every ledger invalid (docs/papers/fedsept.md "One optimiser for all clients")
+    optimizer_state: str = "fresh"
     weight_decay: float = 5e-4
     n_ctx: int = 4  # learned context tokens of the CoOp prompt (the papers use 16)
     # PromptFL starts its context from this phrase; "" = random N(0, 0.02^2) (methods that do not read it take only those two)
@@ -97,6 +103,9 @@ class DataConfig:
     # redraw the Dirichlet split until every client has this many samples; 0 = the partition's default:
     # dirichlet 10 train and 10 test samples, pfllib 40 samples in all (PFLlib's least_samples)
     min_samples: int = 0
+    # data.partition=domain only: as the FedSEPT code, re-seed numpy to 0 before each class's shuffle and Dirichlet draw,
+    # so every class of a domain gets the same proportions until a client is full (SPEC 1.9 item 9; train.seed unused)
+    domain_reseed: bool = False
     # keep this random fraction of each domain's training split (the whole split without domains), drawn from
     # the run seed, the test split whole (raysim/data/subset.py): the VPDR code's keep_ratio, 0.1 for Digits and
     # 0.3 for PACS and Office-Caltech; 1 = every training image
@@ -108,6 +117,9 @@ class DataConfig:
     # the (round, client) stream; "off" = the test transform for training too; "auto" = official where that code
     # augments (FedSEPT: the CoOp and domain datasets; VPDR: vpdr_digits, pacs, office_caltech10), off elsewhere
     augment: str = "auto"
+    # CIFAR's deterministic transform (raysim/data/folders.py): clip = ToTensor, Resize(bicubic), CLIP's mean/std;
+    # official = the FedSEPT code's: ToTensor, the CIFAR set's own mean/std, then Resize (bilinear)
+    cifar_transform: str = "clip"
     augment_views: int = 8  # augmented views per training image (the official code draws a fresh one every epoch)
     # data.dataset=pfllib: the folder's config.json, recorded here when the config is built (not set by hand)
     folder_config: dict[str, Any] = field(default_factory=dict)

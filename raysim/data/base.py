@@ -60,6 +60,7 @@ class LoadSpec:
     download: bool = False
     seed: int = 1
     cache_dir: str = "~/.cache/raysim"
+    cifar_transform: str = "clip"  # data.cifar_transform: clip | official (the FedSEPT code's, raysim/data/folders.py)
 
 
 Loader = Callable[[LoadSpec], DatasetBundle]

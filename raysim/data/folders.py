@@ -10,6 +10,9 @@ flips) is a separate, seeded function of the image, `ImageItems.augment`, set on
 views are encoded once too, and one view per image is drawn per local epoch. Two deterministic transforms are used:
 
 - ``"tensor-resize"`` (CIFAR): ToTensor, Resize(image_size, bicubic), Normalize(spec.mean, spec.std).
+- ``"cifar-official"`` (CIFAR with data.cifar_transform=official): the FedSEPT code's (its Dassl `DatasetCifar100`
+  wrapper, train and test alike): ToTensor, Normalize with the CIFAR set's own mean/std (`CIFAR_STATS`), then
+  Resize((image_size, image_size)) (torchvision's default, bilinear with antialias) of the normalised tensor.
 - ``"resize-centercrop"`` (all image folders): resize the shorter side to image_size (bicubic),
   CenterCrop(image_size), ToTensor, Normalize(spec.mean, spec.std), i.e. CLIP's test transform.
 
@@ -74,13 +77,23 @@ def _missing(name: str, what: str, extra: str = "") -> DataError:
 # --------------------------------------------------------------------------------------------------
 
 
-def make_transform(kind: str, spec: LoadSpec) -> Callable[[Image.Image], Any]:
-    """The deterministic transform named `kind` ("tensor-resize" or "resize-centercrop")."""
+# the FedSEPT code's CIFAR normalisation (Dassl/dassl/data/data_manager.py DatasetCifar100), per dataset
+CIFAR_STATS: dict[str, tuple[tuple[float, float, float], tuple[float, float, float]]] = {
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),
+    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+}
+
+
+def make_transform(kind: str, spec: LoadSpec, dataset: str = "") -> Callable[[Image.Image], Any]:
+    """The deterministic transform named `kind` ("tensor-resize", "cifar-official" of `dataset`, or "resize-centercrop")."""
     from torchvision import transforms as T
 
     bicubic = T.InterpolationMode.BICUBIC
     norm = T.Normalize(mean=list(spec.mean), std=list(spec.std))
     size = int(spec.image_size)
+    if kind == "cifar-official":
+        mean, std = CIFAR_STATS[dataset]
+        return T.Compose([T.ToTensor(), T.Normalize(mean=list(mean), std=list(std)), T.Resize([size, size])])
     if kind == "tensor-resize":
         return T.Compose([T.ToTensor(), T.Resize((size, size), interpolation=bicubic, antialias=True), norm])
     if kind == "resize-centercrop":
@@ -179,8 +192,8 @@ def _load_cifar(name: str, spec: LoadSpec) -> DatasetBundle:
         ) from e
     except Exception as e:  # download failures (no network), unreadable pickles
         raise _missing(name, f"could not read or download {folder}: {type(e).__name__}: {e}") from e
-    tf_name = "tensor-resize"
-    transform = make_transform(tf_name, spec)
+    tf_name = "cifar-official" if spec.cifar_transform == "official" else "tensor-resize"
+    transform = make_transform(tf_name, spec, name)
     classnames = [_pretty(c) for c in parts["train"].classes]
     files = [f for f, _ in cls.train_list + cls.test_list]
     n = len(parts["train"]) + len(parts["test"])

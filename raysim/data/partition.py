@@ -40,6 +40,7 @@ class PartitionSpec:
     min_samples: int = 0  # 0 = the partition's own default (dirichlet 10, pfllib 40)
     train_domains: Optional[np.ndarray] = None
     test_domains: Optional[np.ndarray] = None
+    domain_reseed: bool = False  # partition=domain: the FedSEPT code's numpy re-seeding before every class (`domain`)
 
     @property
     def num_classes(self) -> int:
@@ -255,8 +256,18 @@ def dirichlet(spec: PartitionSpec) -> list[ClientSplit]:
 
 @PARTITIONERS.register("domain")
 def domain(spec: PartitionSpec) -> list[ClientSplit]:
-    """Domain + label skew: clients are split evenly over the domains, and each domain's data is split
-    over its clients with a Dirichlet(beta) label skew."""
+    """Domain + label skew: clients are split evenly over the domains (client k in domain k // (K / D)), and each
+    domain's data is split over its clients with a Dirichlet(`data.beta`) label skew (SPEC 1.9): per class,
+    p ~ Dir(beta), clients already holding N_d / K_d training samples get no more, and the class's train and test
+    indices are cut with the same p; redrawn until every client has 2 train and 2 test samples.
+
+    `data.domain_reseed=true` is the FedSEPT code's split (`utils/domain_skew.py`, SPEC 1.9 item 9): numpy is
+    re-seeded to 0 before each class's shuffle and again before its Dirichlet draw, so every class of a domain
+    draws the *same* p = Dir(beta) under seed 0 (and `train.seed` does not change the split). Until a client is full
+    each class is cut in the same proportions; after, the full clients get nothing, so a small beta gives one client
+    a contiguous range of classes and the other the rest. A redraw would repeat the same split, so a domain that
+    leaves a client under 2 samples is refused (the code loops forever there). Default false: a fresh draw per
+    class from the run's seed."""
     if spec.train_domains is None or spec.test_domains is None:
         raise ConfigError(
             "partition=domain needs a dataset with domains (synthetic, pacs, office31, officehome, domainnet, office_caltech10)"
@@ -269,19 +280,51 @@ def domain(spec: PartitionSpec) -> list[ClientSplit]:
     rng = np.random.default_rng([spec.seed, 3])
     out: list[ClientSplit] = []
     C = spec.num_classes
+    least = min(spec.min_samples or DIRICHLET_MIN_SAMPLES, 2)
     for d in domains:
         tr_d = spec.train_domains == d
         te_d = spec.test_domains == d
-        out += _dirichlet_split(
-            [np.flatnonzero(tr_d & (spec.train_labels == c)) for c in range(C)],
-            [np.flatnonzero(te_d & (spec.test_labels == c)) for c in range(C)],
-            per,
-            spec.beta,
-            min(spec.min_samples or DIRICHLET_MIN_SAMPLES, 2),
-            rng,
-            "domain",
-        )
+        by_class = ([np.flatnonzero(tr_d & (spec.train_labels == c)) for c in range(C)],
+                    [np.flatnonzero(te_d & (spec.test_labels == c)) for c in range(C)])
+        if spec.domain_reseed:
+            out += _reseeded_split(*by_class, per, spec.beta, least, f"domain {d}")
+        else:
+            out += _dirichlet_split(*by_class, per, spec.beta, least, rng, "domain")
     return out
+
+
+def _reseeded_split(train_idx_by_class: list[np.ndarray], test_idx_by_class: list[np.ndarray], num_clients: int,
+                    beta: float, min_samples: int, what: str) -> list[ClientSplit]:
+    """The FedSEPT code's per-domain Dirichlet split (`Dataset_partition_domain`): for every class, numpy's legacy
+    generator re-seeded to 0 shuffles its train then its test indices, and re-seeded to 0 again draws
+    p ~ Dir(beta 1_K), so every class draws the same p; clients holding N / K training samples already are zeroed
+    out of p, and both splits of the class are cut by p's cumulative sums."""
+    n_train = sum(len(i) for i in train_idx_by_class)
+    tr: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    te: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    counts = np.zeros(num_clients)
+    for tr_c, te_c in zip(train_idx_by_class, test_idx_by_class):
+        tr_c, te_c = tr_c.copy(), te_c.copy()
+        shuffle = np.random.RandomState(0)  # np.random.seed(0); np.random.shuffle(train); np.random.shuffle(test)
+        shuffle.shuffle(tr_c)
+        shuffle.shuffle(te_c)
+        p = np.random.RandomState(0).dirichlet(np.repeat(beta, num_clients))  # np.random.seed(0) again: the same p
+        p = p * (counts < n_train / num_clients)
+        p = p / p.sum() if p.sum() > 0 else np.full(num_clients, 1.0 / num_clients)
+        for src, dst in ((tr_c, tr), (te_c, te)):
+            cuts = (np.cumsum(p) * len(src)).astype(int)[:-1]
+            for k, part in enumerate(np.split(src, cuts)):
+                dst[k].append(part)
+        counts += np.array([len(x[-1]) for x in tr])
+    splits = [ClientSplit(np.concatenate(a) if a else np.zeros(0, np.int64), np.concatenate(b) if b else np.zeros(0, np.int64))
+              for a, b in zip(tr, te)]
+    fewest = min(min(len(s.train), len(s.test)) for s in splits)
+    if fewest < min_samples:
+        raise ConfigError(
+            f"data.domain_reseed=true: {what}'s split leaves a client {fewest} train or test sample(s), under {min_samples}; "
+            "the re-seeded draw is the same every time, so it cannot be redrawn: raise data.beta, or set data.domain_reseed=false"
+        )
+    return splits
 
 
 @PARTITIONERS.register("iid")

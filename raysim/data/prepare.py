@@ -41,7 +41,7 @@ def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationDat
     if needs.input == "images" and needs.image_size:
         size = needs.image_size  # methods that train their own image models pick their input size
     spec = LoadSpec(data_root=cfg.data.data_root, image_size=size, download=cfg.data.download, seed=cfg.train.seed,
-                    cache_dir=cfg.output.cache_dir)
+                    cache_dir=cfg.output.cache_dir, cifar_transform=cfg.data.cifar_transform)
     bundle = keep_train_fraction(DATASETS.get(cfg.data.dataset)(spec), cfg.data.train_fraction, seed=cfg.train.seed)
     pspec = PartitionSpec(
         train_labels=bundle.train.labels,
@@ -51,6 +51,7 @@ def prepare_data(cfg: RunConfig, needs: Any, *, progress: bool) -> FederationDat
         beta=cfg.data.beta,
         shots=cfg.data.shots,
         min_samples=cfg.data.min_samples,
+        domain_reseed=cfg.data.domain_reseed,
         train_domains=bundle.train.domains,
         test_domains=bundle.test.domains,
     )

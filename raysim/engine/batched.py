@@ -153,10 +153,12 @@ def batchable(host: "ClientHost") -> bool:
 
 
 def stacks_clients(cfg: Any, method: Any) -> bool:
-    """execution.batch_clients is on, the method stacks clients, and no per-client wall clock is asked for
-    (client_timeout times each client's own local_train, which a stack does not have)."""
+    """execution.batch_clients is on, the method stacks clients, no per-client wall clock is asked for
+    (client_timeout times each client's own local_train, which a stack does not have), and each client starts from a
+    fresh SGD state (train.optimizer_state=shared chains them: client by client)."""
     x = cfg.execution
     return (bool(x.batch_clients) and float(x.client_timeout) <= 0 and not getattr(method, "release_first", False)
+            and cfg.train.optimizer_state == "fresh"  # shared: each client continues the previous one's SGD state
             and bool(getattr(method, "supports_batching", lambda: False)()))
 
 

@@ -30,7 +30,7 @@ from raysim.data.federation import ClientSlices, FederationData
 from raysim.engine.client_round import ClientPolicy, ClientReport, ClientRound, Phase
 from raysim.errors import RaysimError, UploadViolation
 from raysim.methods import ClientData, Method, Upload
-from raysim.methods.base import ServerResult, broadcast_state, initial_private
+from raysim.methods.base import OptimizerCarry, ServerResult, broadcast_state, carrying, initial_private
 from raysim.safeio import serialize
 from raysim.sampling import generator, schedule
 from raysim.storage.store import StateStore
@@ -81,6 +81,11 @@ class ClientHost:
         self.store = StateStore(out_dir, keep_all_clients=keeps_all_client_states(cfg.output))
         self.private: dict[int, dict[str, Any]] = {}
         self.dirty: set[int] = set()
+        # train.optimizer_state=shared: the one SGD state every client's round continues, in id order (config checks: one
+        # host holds every client), as of the end of `resume_round` on a resume
+        self.carry: Optional[OptimizerCarry] = None
+        if cfg.train.optimizer_state == "shared":
+            self.carry = OptimizerCarry.from_dict(self.store.load_shared_optimizer(resume_round) if resume_round >= 0 else None)
         self._participation: Optional[dict[int, int]] = None  # computed when a calibration first needs it
         from raysim.privacy.host import HostPrivacy
 
@@ -273,7 +278,22 @@ class ClientHost:
             return step(self.env, shared, self.private_state(cid), self.round_data(cid, round_idx),
                         rng=generator(self.cfg.train.seed, phase, round_idx, cid), privacy=privacy)
 
-        return one
+        if self.carry is None or phase != "train":
+            return one
+        carry = self.carry
+
+        def continuing(cid: int, privacy: Any) -> Any:  # the client continues the previous one's SGD state and leaves its own
+            before = OptimizerCarry(carry.buffers)
+            try:
+                with carrying(carry):
+                    result = one(cid, privacy)
+            except BaseException:
+                carry.buffers = before.buffers  # a failed client hands nothing on (the run stops: on_client_error=fail)
+                raise
+            privacy.hand_on_optimizer()  # under DP: its ledger records that this voids its guarantee
+            return result
+
+        return continuing
 
     def release(self, round_idx: int, client_ids: list[int], shared: dict[str, torch.Tensor]) -> tuple[list[Upload], list[ClientReport]]:
         """The first half of a `release_first` method's round: each of `client_ids` (in id order) makes its
@@ -294,7 +314,7 @@ class ClientHost:
         run's client policy (raysim/engine/client_round.py). Each phase draws from its own stream,
         generator(seed, phase, round, client)."""
         step = self.local_step(phase, round_idx, shared)
-        workers = self.client_threads if self.method.independent_clients() else 1
+        workers = self.client_threads if self.method.independent_clients() and self.carry is None else 1
         if workers > 1 and self.privacy.dp.enabled:
             self.participation  # noqa: B018 - computed here, once, before the client threads read it
         return ClientRound(self, round_idx, shared, phase=phase, policy=self.policy).run(client_ids, step, workers=workers)
@@ -341,6 +361,8 @@ class ClientHost:
         for cid in sorted(self.dirty):
             self.store.save_client(cid, round_idx, self._checkpoint(cid))
             self.store.prune_client(cid, round_idx - 1)
+        if self.dirty and self.carry is not None:
+            self.store.save_shared_optimizer(round_idx, self.carry.to_dict())
         self.dirty.clear()
 
     def device_info(self) -> dict[str, Any]:

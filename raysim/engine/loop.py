@@ -183,6 +183,10 @@ def _start(cfg: RunConfig, out_dir: Path, done: int) -> tuple[Any, Any, RunLogge
 
     for line in warnings_for(method, cfg.dp):  # e.g. a reference code's noise that is not a valid guarantee
         log.warning(line)
+    if cfg.train.optimizer_state == "shared":
+        log.warning("train.optimizer_state=shared: one SGD state runs through every client in id order, as the FedSEPT code's "
+                    "one optimiser (a simulation artifact: each client's momentum reaches the next client)%s",
+                    "; under DP every client's ledger records it as voiding its guarantee (epsilon inf)" if cfg.dp.enabled else "")
     if done >= cfg.train.rounds - 1:
         log.info("run %s already completed %d rounds", out_dir, done + 1)
     data = prepare_data(cfg, method.needs(), progress=cfg.output.progress)

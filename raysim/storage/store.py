@@ -99,6 +99,14 @@ class StateStore:
     def load_server(self, upto_round: int) -> Optional[dict]:
         return self._load_latest(self.root / "server", upto_round)
 
+    # -- train.optimizer_state=shared: the one SGD state the clients hand on (methods/base.py OptimizerCarry) -----------
+    def save_shared_optimizer(self, round_idx: int, state: dict) -> None:
+        atomic_save(state, self.root / "optimizer" / f"{round_idx:05d}.pt")
+        self._prune(self.root / "optimizer", keep_from=round_idx - 1)
+
+    def load_shared_optimizer(self, upto_round: int) -> Optional[dict]:
+        return self._load_latest(self.root / "optimizer", upto_round)
+
     # -- clients ----------------------------------------------------------------------------
     def save_client(self, client_id: int, round_idx: int, state: dict) -> bool:
         """Write the client's state after `round_idx`; False (nothing written) when it is byte for byte the version

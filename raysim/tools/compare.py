@@ -13,6 +13,7 @@ entry's. A spec file (YAML) holds the same:
 
     title: ...
     layout: in_cross            # in_cross (FedSEPT) | fedtsp (FedTSP Table 1/3) | vpdr (VPDR Table 1)
+    columns: [{label: CIFAR-10, data.dataset: cifar10}, ...]   # optional: named column groups, each setting several keys
     rounds: 10
     methods: [promptfl, "fedsept:rank=8", {label: "FedSEPT w/o R", method: fedsept, fedsept: {variant: wo_r}}]
     grid: {data.beta: [0.1, 0.5]}
@@ -138,10 +139,10 @@ def spec_from_args(argv: Sequence[str]) -> tuple[CompareSpec, argparse.Namespace
     a.spec = specs[0] if specs else ""
     a.overrides = [w for w in a.overrides if "=" in w]
     raw: dict[str, Any] = load_yaml(a.spec) if a.spec else {}
-    unknown = set(raw) - {"title", "layout", "rounds", "methods", "grid", "setting", "seeds"}
+    unknown = set(raw) - {"title", "layout", "rounds", "methods", "grid", "setting", "seeds", "columns"}
     if unknown:
         raise ConfigError(f"{a.spec}: unknown keys {shown(sorted(map(str, unknown)))}; a spec has title, layout, rounds, methods, "
-                          "grid, setting, seeds")
+                          "grid, setting, seeds, columns")
     if a.max_concurrent < 0:
         raise ConfigError(f"--max-concurrent must be >= 1 (or left out: as many as the cluster holds), got {a.max_concurrent}")
     if a.rounds < 0:
@@ -184,7 +185,8 @@ def spec_from_args(argv: Sequence[str]) -> tuple[CompareSpec, argparse.Namespace
     seeds = parse_seeds(spec_list(a.seeds.split(",") if a.seeds else raw.get("seeds") or [], "seeds"))
     if "train.seed" in grid and seeds:
         raise ConfigError("compare: train.seed is both a --grid key and --seeds; seeds are replicates, pass them once as --seeds")
-    spec = CompareSpec(methods=methods, grid=grid, setting=setting, layout=layout, seeds=seeds,
+    columns = parse_columns(raw.get("columns"), a.spec)
+    spec = CompareSpec(methods=methods, grid=grid, setting=setting, layout=layout, seeds=seeds, columns=columns,
                        rounds=int(a.rounds or spec_rounds), title=a.title or str(raw.get("title", "")))
     check_size(spec)
     return spec, a
@@ -198,7 +200,8 @@ def check_size(spec: CompareSpec) -> None:
     lengths before anything is expanded (10^6 seeds would otherwise be planned one config at a time)."""
     n = spec.size()
     if n > MAX_RUNS:
-        sizes = " x ".join([f"{len(spec.methods)} entries", *(f"{len(v)} {k}" for k, v in spec.grid.items()),
+        sizes = " x ".join([f"{len(spec.methods)} entries", *([f"{len(spec.columns)} columns"] if spec.columns else []),
+                            *(f"{len(v)} {k}" for k, v in spec.grid.items()),
                             f"{max(1, len(spec.seeds))} seeds"])
         raise ConfigError(f"compare: {sizes} make {n:,} runs; a comparison plans at most {MAX_RUNS:,}: split it into "
                           "several comparisons (several --out folders)")
@@ -220,6 +223,31 @@ def check_labels(methods: Sequence[Entry]) -> None:
             same = "twice" if seen[name] == label else f"and {shown(seen[name])}: both are the folder {name!r}"
             raise ConfigError(f"compare: the labels {shown(label)} {same} once sanitised; give one a 'label' of its own in the spec")
         seen[name] = label
+
+
+def parse_columns(raw: Any, where: str) -> dict[str, dict[str, Any]]:
+    """A spec's `columns:` (a list of {label: ..., key: value, ...}, keys dotted or as sections): {label: sections}."""
+    from raysim.config import move_flat_keys
+    from raysim.config.load import check_sections, expand_dotted_keys
+
+    if raw is None:
+        return {}
+    if not isinstance(raw, list) or not all(isinstance(c, dict) and isinstance(c.get("label"), str) for c in raw):
+        raise ConfigError(f"{where}: columns is a list of mappings, each with a label and the keys it sets "
+                          "(columns: [{label: CIFAR-10, data.dataset: cifar10, data.beta: 0.1}])")
+    if len(raw) > MAX_RUNS:
+        raise ConfigError(f"{where}: {len(raw):,} columns; a comparison plans at most {MAX_RUNS:,} runs")
+    out: dict[str, dict[str, Any]] = {}
+    for c in raw:
+        label = c["label"]
+        same = [o for o in out if slug(o) == slug(label)]
+        if same:  # each column's cells get the folder column_<slug(label)>
+            raise ConfigError(f"{where}: the columns {shown(same[0])} and {shown(label)} name one folder "
+                              f"({slug(label)!r}); give each a label of its own")
+        body = {k: v for k, v in c.items() if k != "label"}
+        check_sections(expand_dotted_keys(body), f"{where}: column {shown(label)}")
+        out[label] = move_flat_keys(expand_dotted_keys(body))
+    return out
 
 
 def parse_seeds(items: Any) -> list[int]:
@@ -244,7 +272,7 @@ def run_values(spec: CompareSpec, entry: Entry, cell: dict[str, Any], out_dir: P
 
     values = merge_config(spec.setting, {"method": entry.method})
     for k, v in cell.items():
-        values = merge_config(values, unflatten({k: v}))
+        values = merge_config(values, spec.columns[v] if k == "column" else unflatten({k: v}))
     values = merge_config(values, entry.overrides)
     extra: dict[str, Any] = {"output": {"out_dir": str(out_dir), "progress": False}}
     if spec.rounds and get_dotted(entry.overrides, "train.rounds") is None:  # an entry's own train.rounds wins

@@ -36,15 +36,24 @@ class CompareSpec:
     rounds: int = 0  # 0: the config's own
     title: str = ""
     seeds: list[int] = field(default_factory=list)  # replicates (train.seed); [] = the config's own seed, once
+    # named column groups, each setting several keys at once (a paper table whose columns are different settings:
+    # FedSEPT Table 4's OxfordPets / CIFAR-10 beta 0.1 / OfficeHome beta 0.1): {label: config sections}; the grid's
+    # product runs inside each
+    columns: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def size(self) -> int:
-        """How many runs the comparison plans (cells x entries x seeds), counted without expanding the grid."""
-        return math.prod(len(v) for v in self.grid.values()) * len(self.methods) * max(1, len(self.seeds))
+        """How many runs the comparison plans (cells x columns x entries x seeds), counted without expanding the grid."""
+        return (math.prod(len(v) for v in self.grid.values()) * max(1, len(self.columns)) * len(self.methods)
+                * max(1, len(self.seeds)))
 
     def cells(self) -> list[dict[str, Any]]:
-        """The grid's product, in order: one column group each ([{}] without a grid)."""
+        """The grid's product, in order: one column group each ([{}] without a grid); with `columns`, that product
+        inside each named column, the cell's "column" naming it."""
         keys = list(self.grid)
-        return [dict(zip(keys, values)) for values in itertools.product(*(self.grid[k] for k in keys))] or [{}]
+        product = [dict(zip(keys, values)) for values in itertools.product(*(self.grid[k] for k in keys))] or [{}]
+        if not self.columns:
+            return product
+        return [{"column": name, **cell} for name in self.columns for cell in product]
 
 
 def cell_label(cell: dict[str, Any]) -> str:

@@ -84,3 +84,89 @@ def test_gpu_hours_estimate_scales_with_the_work():
     # the step FLOPs double; the image features are paid once, so the total grows by less than 2x
     assert b["steps"] == 2 * a["steps"] and a["flops"] < b["flops"] < 2 * a["flops"]
     assert c["flops"] > a["flops"]
+
+
+# -- every cell of every paper table (fedsept.txt Tables 1-5), as the presets' dry runs plan them -------------------
+CLIP_SETS = ("food101", "caltech101", "flowers102", "dtd", "oxford_pets")
+BETAS = (0.1, 0.3, 0.5)
+BASELINES = ("promptfl", "fedpgp", "fedotp", "fedpha", "pfedmoap", "dpfpl")
+CODE_CLIENTS = {"pacs": 8, "office31": 6, "officehome": 8, "domainnet": 12}  # 2 per domain; DomainNet's 6 domains (the code's)
+# per preset: the paper table's columns (the keys each column fixes) and its rows (method, and the options that make
+# the row: Table 4's variants, Table 5's FedSEPT-NC / -PF); every column at epsilon 1
+PAPER_TABLES: dict[str, tuple[list[dict], list[tuple[str, dict]]]] = {
+    "table1": ([{"data.dataset": d, "data.partition": "pathological"} for d in CLIP_SETS],
+               [(m, {}) for m in (*BASELINES, "fedsept")]),
+    "table2": ([{"data.dataset": d, "data.partition": "dirichlet", "data.beta": b} for d in ("cifar10", "cifar100") for b in BETAS],
+               [(m, {}) for m in (*BASELINES, "fedsept")]),
+    **{f"table3_{d}": ([{"data.dataset": d, "data.partition": "domain", "data.beta": b} for b in BETAS],
+                       [(m, {}) for m in (*BASELINES, "fedsept")]) for d in CODE_CLIENTS},
+    "table4_ablation": ([{"data.dataset": "oxford_pets", "data.partition": "pathological"},
+                         {"data.dataset": "cifar10", "data.partition": "dirichlet", "data.beta": 0.1},
+                         {"data.dataset": "officehome", "data.partition": "domain", "data.beta": 0.1}],
+                        [("fedsept", {"variant": v}) for v in ("full", "single", "full_meps", "wo_r", "top1", "uniform")]),
+    "table5_efficiency": ([{"data.dataset": "oxford_pets", "data.partition": "pathological"}],
+                          [("fedsept", {"cache_text": True, "fusion": "logit"}), ("fedsept", {"cache_text": False}),
+                           ("fedsept", {"fusion": "prompt"}), *((m, {}) for m in BASELINES)]),
+}
+
+
+def _get(cfg, key):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def missing_cells(path: Path) -> list[str]:
+    """The (row, column) cells of the paper table `path` is the preset of that its dry run does not plan, and each
+    planned paper cell whose setting is not the table's (clients, participation, the code's split and transform)."""
+    from raysim.config.checks import method_options
+    from raysim.tools.compare import plan, spec_from_args
+
+    spec, _ = spec_from_args([str(path)])
+    runs = [cfg for _, _, _, cfg in plan(spec, Path("/nonexistent/out"))]
+    columns, rows = PAPER_TABLES[path.stem.removeprefix("fedsept_")]
+    out = []
+    for col in columns:
+        for method, opts in rows:
+            hits = [c for c in runs if c.method == method and c.dp.enabled and c.dp.epsilon == 1.0
+                    and all(_get(c, k) == v for k, v in col.items())
+                    and all(getattr(method_options(c), k) == v for k, v in opts.items())]
+            if not hits:
+                out.append(f"{method} {opts or ''} at {col}, epsilon 1")
+            for c in hits:
+                d = c.data.dataset
+                want = ({"train.num_clients": 100, "train.participation": 0.1, "data.cifar_transform": "official"}
+                        if d.startswith("cifar") else
+                        {"train.num_clients": CODE_CLIENTS[d], "data.domain_reseed": True} if d in CODE_CLIENTS else
+                        {"train.num_clients": 10, "data.shots": 16})
+                want["train.optimizer_state"] = "fresh" if method == "fedpha" else "shared"  # the code's one SGD
+                out += [f"{method} at {col}: {k}={_get(c, k)!r}, the code's {v!r}" for k, v in want.items() if _get(c, k) != v]
+    return out
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)
+def test_dry_run_lists_every_cell_of_the_paper_table(path, tmp_path, capsys, monkeypatch):
+    from raysim.tools.compare import main, plan, run_name, spec_from_args
+
+    assert missing_cells(path) == []
+    monkeypatch.chdir(tmp_path)
+    assert main([str(path), "--dry-run", "--out", str(tmp_path / "out")]) == 0
+    listed = {line.split(": ", 1)[0] for line in capsys.readouterr().out.splitlines() if " [" in line}
+    spec, _ = spec_from_args([str(path)])
+    assert listed == {run_name(e, cell, cfg, spec) for cell, e, _, cfg in plan(spec, tmp_path / "out")}
+
+
+def test_a_missing_cell_fails(tmp_path):
+    """The check above can fail: a Table 3 preset without beta 0.3, a Table 4 without its CIFAR-10 column, and a
+    Table 3 preset with the fresh draw per class instead of the code's re-seeded split each name what is wrong."""
+    t3 = yaml.safe_load((ROOT / "benchmarks/tables/paper/fedsept_table3_pacs.yaml").read_text())
+    t3["grid"]["data.beta"] = [0.1, 0.5]
+    (tmp_path / "fedsept_table3_pacs.yaml").write_text(yaml.safe_dump(t3))
+    assert any("'data.beta': 0.3" in m for m in missing_cells(tmp_path / "fedsept_table3_pacs.yaml"))
+    t4 = yaml.safe_load((ROOT / "benchmarks/tables/paper/fedsept_table4_ablation.yaml").read_text())
+    t4["columns"] = [c for c in t4["columns"] if c["data.dataset"] != "cifar10"]
+    (tmp_path / "fedsept_table4_ablation.yaml").write_text(yaml.safe_dump(t4))
+    assert sum("cifar10" in m for m in missing_cells(tmp_path / "fedsept_table4_ablation.yaml")) == 6  # every variant
+    t3 = yaml.safe_load((ROOT / "benchmarks/tables/paper/fedsept_table3_pacs.yaml").read_text())
+    t3["setting"]["data"]["domain_reseed"] = False
+    (tmp_path / "fedsept_table3_pacs.yaml").write_text(yaml.safe_dump(t3))
+    assert any("domain_reseed" in m for m in missing_cells(tmp_path / "fedsept_table3_pacs.yaml"))

@@ -294,6 +294,27 @@ def test_cifar10_fake_pickles(tmp_path, monkeypatch):
     assert "tensor-resize" in b.signature
 
 
+def test_cifar_official_transform_is_the_fedsept_codes(tmp_path, monkeypatch):
+    """data.cifar_transform=official: ToTensor, the CIFAR set's own mean/std, then the resize of the normalised image
+    (the FedSEPT code's DatasetCifar100), for the train and the test split; its own cache signature."""
+    import torch.nn.functional as F
+    from torchvision.datasets import CIFAR10
+
+    from raysim.data.folders import CIFAR_STATS
+
+    write_cifar(tmp_path, monkeypatch, CIFAR10)
+    b = DATASETS.get("cifar10")(spec(tmp_path, cifar_transform="official"))
+    clip = DATASETS.get("cifar10")(spec(tmp_path))
+    assert "cifar-official" in b.signature and b.signature != clip.signature
+    mean, std = (torch.tensor(v).view(3, 1, 1) for v in CIFAR_STATS["cifar10"])
+    for split in (b.train.images, b.test.images):
+        raw = torch.from_numpy(np.asarray(split.load(0))).permute(2, 0, 1).float() / 255  # ToTensor
+        want = F.interpolate(((raw - mean) / std)[None], size=(S, S), mode="bilinear", align_corners=False, antialias=True)[0]
+        # torchvision's Resize on a tensor is this interpolate; float32 rounding of the same ops
+        torch.testing.assert_close(split[0], want, rtol=0, atol=1e-5)
+        assert not torch.allclose(clip.test.images[0], b.test.images[0], atol=1e-2)  # CLIP's normalisation differs
+
+
 def test_cifar100_fake_pickles(tmp_path, monkeypatch):
     from torchvision.datasets import CIFAR100
 

@@ -147,3 +147,46 @@ def test_batches_drop_last_like_the_official_loader():
     assert [len(b) for b in batches] == [32, 32, 32]
     assert len(set(np.concatenate([b.numpy() for b in batches]).tolist())) == 96
     assert [len(b) for b in batch_indices(10, 32, generator(1, "x"))] == [10]
+
+
+def _class_counts(splits, y, classes):
+    """(classes, clients) training samples of each class on each client."""
+    return np.array([[int((y[s.train] == c).sum()) for s in splits] for c in range(classes)])
+
+
+def test_domain_reseed_gives_every_class_the_code_proportions_and_fresh_draws_do_not():
+    """data.domain_reseed (SPEC 1.9 item 9): every class of a domain is cut by the same p = Dir(beta) under numpy seed 0,
+    as the FedSEPT code's re-seeding does, until a client holds N / K samples; then the full client gets no more."""
+    C, n, K, beta = 10, 100, 2, 0.5
+    y_tr, y_te = np.repeat(np.arange(C), n), np.repeat(np.arange(C), 20)
+    one_domain = dict(train_labels=y_tr, test_labels=y_te, num_clients=K, beta=beta,
+                      train_domains=np.zeros(len(y_tr), int), test_domains=np.zeros(len(y_te), int))
+    p = np.random.RandomState(0).dirichlet(np.repeat(beta, K))  # what the code draws before every class
+    code_counts = np.diff([0, *(np.cumsum(p) * n).astype(int)[:-1], n])
+    counts = _class_counts(partition("domain", PartitionSpec(seed=1, domain_reseed=True, **one_domain)), y_tr, C)
+    held, same = np.zeros(K), 0
+    for c in range(C):
+        full = held >= len(y_tr) / K
+        if not full.any():  # nobody full yet: exactly the code's proportions, the same for every class
+            assert counts[c].tolist() == code_counts.tolist(), f"class {c}"
+            same += 1
+        else:  # the full client is masked out: the class goes to the others
+            assert (counts[c][full] == 0).all() and counts[c].sum() == n, f"class {c}"
+        held += counts[c]
+    assert same >= 2  # several classes share the one draw (here p = {p.round(3)})
+    again = _class_counts(partition("domain", PartitionSpec(seed=7, domain_reseed=True, **one_domain)), y_tr, C)
+    assert (again == counts).all()  # the code's seed 0, whatever train.seed
+    fresh = _class_counts(partition("domain", PartitionSpec(seed=1, **one_domain)), y_tr, C)
+    assert fresh[0].tolist() != fresh[1].tolist()  # without it each class draws its own p
+
+
+def test_domain_reseed_refuses_a_split_it_cannot_redraw_and_other_partitions():
+    from raysim.config.checks import build_config
+
+    y = np.zeros(6, int)  # one class: at beta 0.01 the one draw gives (almost) all of it to one client
+    sp = PartitionSpec(train_labels=y, test_labels=y, num_clients=2, seed=1, beta=0.01, domain_reseed=True,
+                       train_domains=np.zeros(len(y), int), test_domains=np.zeros(len(y), int))
+    with pytest.raises(ConfigError, match="domain_reseed"):
+        partition("domain", sp)
+    with pytest.raises(ConfigError, match="data.partition=domain"):
+        build_config({"data": {"partition": "dirichlet", "domain_reseed": True}})

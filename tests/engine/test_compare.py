@@ -23,6 +23,30 @@ def test_entries_split_section_options_from_dotted_keys():
     assert spec.cells() == [{"x": 1, "y": "u"}, {"x": 1, "y": "v"}, {"x": 2, "y": "u"}, {"x": 2, "y": "v"}]
 
 
+def test_named_columns_set_several_keys_and_the_grid_runs_inside_each(tmp_path):
+    """A spec's `columns:` (FedSEPT Table 4: one column per skew, each in its own setting): each column's keys reach its
+    runs only, the grid's product runs inside every column, and a malformed list is refused with the spec's name."""
+    import yaml
+
+    from raysim.errors import ConfigError
+    from raysim.tools.compare import plan, spec_from_args
+
+    spec_file = tmp_path / "t.yaml"
+    spec_file.write_text(yaml.safe_dump({
+        "methods": ["promptfl"], "grid": {"dp.epsilon": [1.0, float("inf")]},
+        "columns": [{"label": "A", "data.dataset": "digits", "train.num_clients": 3},
+                    {"label": "B", "data": {"dataset": "synthetic", "partition": "dirichlet", "beta": 0.1}}]}))
+    spec, _ = spec_from_args([str(spec_file)])
+    assert [c["column"] for c in spec.cells()] == ["A", "A", "B", "B"]
+    got = {(cell["column"], cfg.dp.epsilon): cfg for cell, _, _, cfg in plan(spec, tmp_path / "out")}
+    a, b = got[("A", 1.0)], got[("B", float("inf"))]
+    assert (a.data.dataset, a.train.num_clients, a.data.partition) == ("digits", 3, "pathological")
+    assert (b.data.dataset, b.data.partition, b.data.beta, b.train.num_clients) == ("synthetic", "dirichlet", 0.1, 10)
+    spec_file.write_text(yaml.safe_dump({"methods": ["promptfl"], "columns": [{"data.dataset": "digits"}]}))
+    with pytest.raises(ConfigError, match="t.yaml: columns is a list of mappings, each with a label"):
+        spec_from_args([str(spec_file)])
+
+
 def test_marks_follow_the_papers():
     t = Table(["A", "B"], ["m1", "m2", "m3", "m4"], [[0.5, 0.1], [0.7, 0.3], [0.6, math.nan], [0.4, 0.2]], marks="rank3")
     assert t.ranks() == [[3, 3], [1, 1], [2, 0], [0, 2]]  # nan is never ranked
