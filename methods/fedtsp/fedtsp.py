@@ -29,7 +29,9 @@ class order) by post-processing. Where each sequence ends (`dp_positions`):
           sigma this is a random position), and BERT reads all T positions; any descriptions are neighbours.
 The server env is built from the class *count* only: no class name, description or token id reaches it. Until
 the release arrives (the end of the first round the dp client takes part in) P^T does not exist and
-clients train with CE alone. How the budget is spent (`dp_budget`):
+clients train with CE alone (the paper's Step 0 precedes training; raysim has no round before round 0, so
+the private path's first round has no alignment term: `text_from_client=true` runs that path without DP,
+the clean embedding at the clean end positions, which is the like-for-like no-noise row of Table 4). How the budget is spent (`dp_budget`):
   split  (default) the embedding gets dp_share_embedding x dp.epsilon for its one release and every
          client's class means (a `prototype` release, dp.prototypes, clip dp.proto_clip) get
          dp_share_prototypes x dp.epsilon over their T releases, each calibrated on its own compositions
@@ -114,6 +116,7 @@ class Options:
     dp_client: int = 0  # the client that embeds and releases the descriptions
     dp_budget: str = "split"  # split | paper | code | joint: how the private variant spends dp.epsilon (module docstring)
     dp_positions: str = ""  # tokens | noised: where the released sequences end ("" = tokens for paper/code, else noised)
+    text_from_client: bool = False  # without DP: Step 0 on dp_client as the private variant, unnoised (Table 4's like-for-like row)
     dp_share_embedding: float = 0.5  # dp_budget=split: the description embedding's share of dp.epsilon
     dp_share_prototypes: float = 0.5  # dp_budget=split: the class means' share of dp.epsilon (all T releases)
 
@@ -150,7 +153,7 @@ class Options:
     @property
     def positions(self) -> str:
         """Where the released description sequences end: tokens (sent, as the code) or noised (derived)."""
-        return self.dp_positions or ("tokens" if self.dp_budget in ("paper", "code") else "noised")
+        return self.dp_positions or ("tokens" if self.dp_budget in ("paper", "code") or self.text_from_client else "noised")
 
 
 
@@ -204,6 +207,11 @@ class FedTSP(HeteroMethod):
     def private(self) -> bool:
         return self.dp.enabled
 
+    @property
+    def from_client(self) -> bool:
+        """The descriptions come from the dp client's release (the private variant, or text_from_client)."""
+        return self.dp.enabled or self.opts.text_from_client
+
     def budget_shares(self) -> Optional[dict[str, BudgetShare]]:
         """dp_budget=split: the embedding and the class means each at their own share of dp.epsilon;
         paper: the embedding alone, at Eq. 11's classical-Gaussian sigma for the whole dp.epsilon; code: that
@@ -220,10 +228,10 @@ class FedTSP(HeteroMethod):
         return None
 
     def needs(self) -> Needs:
-        return Needs(input="images", image_size=32, server_classnames=not self.private)
+        return Needs(input="images", image_size=32, server_classnames=not self.from_client)
 
     def releases_of(self, client_id: int) -> list[str]:
-        dp_client = self.private and client_id == self.opts.dp_client
+        dp_client = self.from_client and client_id == self.opts.dp_client
         ends = ["text_ends"] if dp_client and self.opts.positions == "tokens" else []
         return ["protos", "counts"] + (["text_emb"] + ends if dp_client else [])
 
@@ -244,7 +252,7 @@ class FedTSP(HeteroMethod):
         from raysim.models.plm import TextPrototypes, plm_output_dim
 
         d_plm = plm_output_dim(self.opts.plm, model=spec.model.model, path=self.opts.plm_path)
-        if self.private and self.opts.dp_client >= self.train.num_clients:
+        if self.from_client and self.opts.dp_client >= self.train.num_clients:
             raise ConfigError(f"fedtsp.dp_client={self.opts.dp_client} is not a client (num_clients={self.train.num_clients})")
         d = self.opts.feature_dim or d_plm
         if d != d_plm:
@@ -257,7 +265,7 @@ class FedTSP(HeteroMethod):
         env.plm = self._load_plm(env)
         env.width = env.plm.width
         env.init_logit_scale = self.opts.init_logit_scale or env.plm.init_logit_scale
-        if not self.private:  # Step 0 on the server
+        if not self.from_client:  # Step 0 on the server
             env.classnames = list(spec.classnames)
             env.text = TextPrototypes.from_texts(env.plm, self._prompt_texts(env))
         return env
@@ -342,7 +350,7 @@ class FedTSP(HeteroMethod):
         clean_means = self.releases["protos"].kind == "public"
         upload = self.release_prototypes(env, model, data, NoDP() if clean_means else privacy)
         private = {**private, "model": snapshot(model), "rounds": int(private.get("rounds", 0)) + 1}
-        if self.private and data.client_id == self.opts.dp_client and "text_protos" not in shared:
+        if self.from_client and data.client_id == self.opts.dp_client and "text_protos" not in shared:
             emb, ends = self.describe(env)
             upload["text_emb"] = privacy.release("text_emb", emb, clip=self.opts.dp_clip, unclipped=self.opts.dp_budget == "code")
             if self.opts.positions == "tokens":

@@ -328,3 +328,30 @@ def test_end_positions_option_is_validated_and_defaults_per_budget():
     assert method.releases_of(0) == ["protos", "counts", "text_emb"]
     assert "same token counts" not in method.budget_shares()["text_emb"].note
     assert "same token counts" in _setup(1.0, dp_budget="paper")[0].budget_shares()["text_emb"].note
+
+
+def test_text_from_client_without_dp_sends_the_clean_embedding_at_the_clean_end_positions():
+    """fedtsp.text_from_client (the private path without DP, Table 4's like-for-like row): the dp client
+    uploads its clean embedding and end positions, the server is built without class names, and the text
+    it builds is the no-DP server's own (the paths differ only in when the text arrives)."""
+    from raysim.methods.base import Upload
+    from raysim.methods.fedtsp.fedtsp import FedTSP, Options
+    from raysim.privacy.dpsgd import NoDP
+
+    method, env, _ = _setup(math.inf, text_from_client=True)
+    assert not method.needs().server_classnames and method.releases_of(0)[2:] == ["text_emb", "text_ends"]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    data = ClientData(0, x, torch.tensor([0, 1, 2] * 4), x[:3], torch.tensor([0, 1, 2]), 3)
+    shared = method.init_shared(_server(method), g)
+    assert "text_protos" not in shared  # nothing until the dp client's release
+    up = method.local_train(env, shared, method.init_private(env, data, g), data, rng=g, privacy=NoDP()).upload
+    emb, ends = method.describe(env)
+    assert torch.equal(up["text_emb"], emb) and torch.equal(up["text_ends"], ends)
+    senv = _server(method)
+    method.receive_release(senv, shared, [Upload(0, up, 12)])
+    plain = FedTSP(method.train, Options(plm="bert", model_family="tiny", len_prompt=2), method.dp)
+    penv = plain.build_env(EnvSpec(ModelSpec(), NAMES, dataset="digits"), role="server")
+    prompts = shared["prompts"]
+    # the same float32 BERT on the same embeddings (cut to the longest prompt): rounding only
+    assert torch.allclose(senv.text(prompts), penv.text(prompts), atol=1e-5, rtol=1e-4)
