@@ -100,15 +100,20 @@ def text_stats(out_dir: Path, reference: torch.Tensor | None) -> tuple[float, fl
 
 
 def main() -> None:
-    from raysim.config.checks import build_config
-    from raysim.engine.evaluation import PROTOCOLS
-    from raysim.engine.loop import run
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
     ap.add_argument("--only", default="")
     a = ap.parse_args()
-    out = Path(a.out or tempfile.mkdtemp(prefix="fedtsp-gap-"))
+    with contextlib.ExitStack() as stack:  # without --out the runs go to a temporary folder, removed after
+        out = Path(a.out) if a.out else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fedtsp-gap-")))
+        report(out, set(filter(None, a.only.split(","))))
+
+
+def report(out: Path, only: set[str]) -> None:
+    from raysim.config.checks import build_config
+    from raysim.engine.evaluation import PROTOCOLS
+    from raysim.engine.loop import run
+
     base = configs(out)
     none: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     runs: list[tuple[str, str, dict[str, Any], Callable[[], contextlib.AbstractContextManager]]] = [
@@ -122,7 +127,6 @@ def main() -> None:
         ("paper_clean", "paper's path, the clean embedding (no clip, no noise)", {}, lambda: release_without("all")),
         ("code", "code, epsilon 1 (unclipped + Eq. 11 sigma)", {"dp_budget": "code"}, none),
     ]
-    only = set(filter(None, a.only.split(",")))
     reference = None
     print("| run | what | local acc % | P^T off-diag cos | cos to no-DP P^T |\n|---|---|---:|---:|---:|")
     for name, what, opts, ctx in runs:
