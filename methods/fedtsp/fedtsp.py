@@ -141,6 +141,9 @@ class Options:
             (self.dp_budget in DP_BUDGETS, f"fedtsp.dp_budget must be one of {', '.join(DP_BUDGETS)}, got {self.dp_budget!r}"),
             (self.dp_positions in DP_POSITIONS,
              f"fedtsp.dp_positions must be tokens or noised (or empty: tokens under dp_budget=paper|code), got {self.dp_positions!r}"),
+            (not (self.dp_budget == "joint" and self.dp_positions == "tokens"),
+             "fedtsp.dp_positions=tokens narrows the neighbouring relation, which only paper, code and split record in "
+             "the ledger; use one of them, or dp_positions=noised with dp_budget=joint"),
             (0 < self.dp_share_embedding <= 1 and 0 < self.dp_share_prototypes <= 1
              and self.dp_share_embedding + self.dp_share_prototypes <= 1 + 1e-9,
              "fedtsp.dp_share_embedding and fedtsp.dp_share_prototypes must each lie in (0, 1] and sum to at most 1 "

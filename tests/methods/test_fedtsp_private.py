@@ -322,8 +322,9 @@ def test_end_positions_option_is_validated_and_defaults_per_budget():
 
     assert [Options(dp_budget=b).positions for b in ("paper", "code", "split", "joint")] == ["tokens", "tokens", "noised", "noised"]
     assert Options(dp_budget="paper", dp_positions="noised").positions == "noised"
-    with pytest.raises(ConfigError, match="dp_positions"):
-        Options(dp_positions="eot").validate()
+    for bad in ({"dp_positions": "eot"}, {"dp_positions": "tokens", "dp_budget": "joint"}):
+        with pytest.raises(ConfigError, match="dp_positions"):
+            Options(**bad).validate()
     method, _, _ = _setup(1.0, dp_budget="paper", dp_positions="noised")
     assert method.releases_of(0) == ["protos", "counts", "text_emb"]
     assert "same token counts" not in method.budget_shares()["text_emb"].note
