@@ -127,10 +127,12 @@ class PrivacyHandle(Protocol):
         ...
 
     def release(self, name: str, value: Any = None, *, features: Optional[Tensor] = None, labels: Optional[Tensor] = None,
-                num_classes: int = 0, clip: float = 0.0, assignments: Optional[Tensor] = None) -> Tensor:
+                num_classes: int = 0, clip: float = 0.0, assignments: Optional[Tensor] = None,
+                unclipped: bool = False) -> Tensor:
         """A prototype release (class means of `features`, or with `assignments` the (M, d) cluster centres)
-        or an embedding release of `value`, computed and privatised by the host; the method uploads what it
-        returns under `name`."""
+        or an embedding release of `value` (clipped to `clip`, or with `unclipped` noised as it is: a
+        reference code's noise, recorded as no guarantee), computed and privatised by the host; the method
+        uploads what it returns under `name`."""
         ...
 
 

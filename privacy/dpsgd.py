@@ -222,7 +222,8 @@ class _Standalone:
         return batch_indices(n, batch_size, rng)
 
     def release(self, name: str, value=None, *, features: Tensor | None = None, labels: Tensor | None = None,
-                num_classes: int = 0, clip: float = 0.0, assignments: Tensor | None = None) -> Tensor:
+                num_classes: int = 0, clip: float = 0.0, assignments: Tensor | None = None,
+                unclipped: bool = False) -> Tensor:
         if features is not None:
             assert labels is not None, "a prototype release needs the labels of its features"
             features, labels = features.detach().float().cpu(), labels.detach().long().cpu()

@@ -246,12 +246,14 @@ class RoundPrivacy:
 
     def release(self, name: str, value: Union[Tensor, Callable[[], Tensor], None] = None, *, features: Optional[Tensor] = None,
                 labels: Optional[Tensor] = None, num_classes: int = 0, clip: float = 0.0,
-                assignments: Optional[Tensor] = None) -> Tensor:
+                assignments: Optional[Tensor] = None, unclipped: bool = False) -> Tensor:
         """A release the host makes: `prototype` uploads from (features, labels) -> (num_classes, d) class
         means (noised by the run's prototype mechanism under DP; classes the client lacks are 0), or with
         `assignments` (per-example cluster ids within the class) the (M, d) cluster centres, class by class;
         `embedding` uploads from `value` (a tensor or a function computing it, called only if this one-shot
-        release was not made before), clipped to `clip` as a whole and noised."""
+        release was not made before), clipped to `clip` as a whole and noised (std 2 `clip` x the multiplier);
+        `unclipped=True` adds that noise to the tensor as it is (a reference code's noise: no bounded
+        sensitivity, so the ledger records it as not valid, epsilon inf, never as a guarantee)."""
         spec = self.host.method.releases.get(name)
         if spec is None or spec.kind not in ("prototype", "embedding"):
             raise UploadViolation(f"{self.host.method.name} does not declare {name!r} as a prototype or embedding release")
@@ -271,7 +273,7 @@ class RoundPrivacy:
         else:
             tensor = value() if callable(value) else value
             assert tensor is not None, f"the embedding release {name!r} needs a value"
-            out = self._embedding(name, tensor, clip)
+            out = self._embedding(name, tensor, clip, unclipped)
         if spec.once:
             st.once[name] = out
         self.released[name] = out
@@ -306,7 +308,7 @@ class RoundPrivacy:
         self._record(self.host.gaussian_release(self.cid, name, mech.name, z, self.round))
         return out
 
-    def _embedding(self, name: str, value: Tensor, clip: float) -> Tensor:
+    def _embedding(self, name: str, value: Tensor, clip: float, unclipped: bool = False) -> Tensor:
         mech = self._mechanism(name)
         if mech is None:
             return NoDP().release(name, value)
@@ -315,8 +317,13 @@ class RoundPrivacy:
                              f"fedtsp.dp_clip), got clip={clip}")
         z = self.host.multiplier(self.cid, self.num_train, name)
         gen = generator(self.host.seed, "dp-release", name, self.round, self.cid)
-        self._record(self.host.gaussian_release(self.cid, name, mech.name, z, self.round))
-        return mech.apply(value.detach().float().cpu(), clip=clip, multiplier=z, generator=gen)  # type: ignore[attr-defined]
+        release = self.host.gaussian_release(self.cid, name, mech.name, z, self.round)
+        if unclipped:  # no bounded sensitivity: no epsilon can be claimed, so none is recorded as spent
+            release = Release(f"{mech.name}_unclipped", 0.0, 1.0, 1, self.round, epsilon=math.inf, valid=False,
+                              claimed_epsilon=float(self.host.dp.epsilon), note=release.note)
+        self._record(release)
+        return mech.apply(value.detach().float().cpu(), clip=clip, multiplier=z, generator=gen,  # type: ignore[attr-defined]
+                          unclipped=unclipped)
 
     def hand_on_optimizer(self) -> None:
         """train.optimizer_state=shared (methods/base.py OptimizerCarry): this client's SGD momentum, a running sum of its

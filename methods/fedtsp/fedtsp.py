@@ -16,12 +16,22 @@ Private variant (fedtsp.txt 3.5, on whenever `dp.epsilon` < inf): client `dp_cli
 descriptions with its own copy of the PLM's embedding layer, every class padded to the same number k of
 descriptions and every sequence to the tower's fixed context length, and releases that tensor once
 through the host's `embedding` mechanism (flattened, clipped to L2 radius C = `dp_clip`, Gaussian noise of
-std 2C sigma, accounted in the client's ledger). Nothing else about the text leaves the client: the server
-derives the class of each row (k = rows / C, class order) and each sequence's end-of-text position (the
-position whose noised embedding is nearest the public end token's embedding) by post-processing. The
-server env is built from the class *count* only: no class name, description or token id reaches it. Until
+std 2C sigma, accounted in the client's ledger). The server derives the class of each row (k = rows / C,
+class order) by post-processing. Where each sequence ends (`dp_positions`):
+  tokens  (the default of paper and code) the dp client also sends `text_ends`, each sequence's end-token
+          position read from its clean tokens, unnoised (public), as the authors' code knows them (its server
+          holds the tokens): the PLM then reads exactly the positions it reads without DP (CLIP's EOT; for
+          BERT the release is cut after the longest sequence, as the no-DP path pads to the longest). Those
+          positions are the descriptions' token counts, so the epsilon holds for neighbouring descriptions
+          *of the same token counts* (the relation the ledger note states), not for any descriptions.
+  noised  (the default of split and joint) nothing but the release: each end position is the position
+          whose noised embedding is nearest the public end token's embedding (post-processing; at Eq. 11's
+          sigma this is a random position), and BERT reads all T positions; any descriptions are neighbours.
+The server env is built from the class *count* only: no class name, description or token id reaches it. Until
 the release arrives (the end of the first round the dp client takes part in) P^T does not exist and
-clients train with CE alone. How the budget is spent (`dp_budget`):
+clients train with CE alone (the paper's Step 0 precedes training; raysim has no round before round 0, so
+the private path's first round has no alignment term: `text_from_client=true` runs that path without DP,
+the clean embedding at the clean end positions, which is the like-for-like no-noise row of Table 4). How the budget is spent (`dp_budget`):
   split  (default) the embedding gets dp_share_embedding x dp.epsilon for its one release and every
          client's class means (a `prototype` release, dp.prototypes, clip dp.proto_clip) get
          dp_share_prototypes x dp.epsilon over their T releases, each calibrated on its own compositions
@@ -31,12 +41,19 @@ clients train with CE alone. How the budget is spent (`dp_budget`):
   paper  as fedtsp.txt 3.5: only the embedding is noised, once, with Eq. 11's sigma = 2C sqrt(2 ln(1.25/
          delta)) / epsilon; the class means are sent unnoised (public here), so the epsilon the ledger
          records (the exact epsilon of that noise, analytic Gaussian mechanism) covers the descriptions only,
-         and its entry says so.
+         and its entry says so. Sensitivity 2C (Eq. 10): any two clipped tensors are within 2C.
+  code   the authors' code (clip_base_v2_dp.py): the same noise std (Eq. 11's sigma at dp.epsilon, as its
+         --dp_noise_std 24 / 3 at epsilon 1 / 8) added to the *unclipped* embedding; class means unnoised.
+         Unclipped, two description sets' embeddings may differ by any amount: the sensitivity is unbounded
+         and the noise gives no (epsilon, delta) at all. The ledger records the release as not valid
+         (epsilon inf, the claimed dp.epsilon beside it), the run's epsilon_max is nan and summary.md says
+         that the epsilon is not a guarantee. A reproduction, never a privacy claim.
   joint  (before #25) one multiplier calibrated jointly over the embedding and the T prototype releases.
 
 Uploads: `protos` (prototype release), `counts` (public: the per-class sample counts, which the paper's
 Eq. 6 weights use and the prototype mechanisms' replace-one-within-a-class relation keeps fixed),
-`text_emb` (embedding release, the dp client only).
+`text_emb` (embedding release, the dp client only), `text_ends` (public, the dp client only, under
+dp_positions=tokens: the end-token positions of the released sequences).
 """
 
 from __future__ import annotations
@@ -58,11 +75,19 @@ from raysim.privacy.dpsgd import NoDP
 from raysim.privacy.mechanisms import BudgetShare, embedding, prototype, public
 
 DIRECTIONS = ("image_to_text", "text_to_image", "symmetric")
-DP_BUDGETS = ("split", "paper", "joint")
-PAPER_PROTOS_NOTE = ("fedtsp.dp_budget=paper: the class means are sent unnoised, as in fedtsp.txt 3.5 (only the description "
-                     "embedding is privatised); the run's epsilon covers the descriptions only")
+DP_BUDGETS = ("split", "paper", "code", "joint")
+DP_POSITIONS = ("", "tokens", "noised")
+PAPER_PROTOS_NOTE = ("fedtsp.dp_budget=paper|code: the class means are sent unnoised, as in fedtsp.txt 3.5 and the authors' "
+                     "code (only the description embedding is noised); the run's epsilon covers the descriptions only")
 PAPER_SCOPE = ("covers the description embedding only (fedtsp.dp_budget=paper, fedtsp.txt Eq. 11): the class prototypes "
                "are sent unnoised")
+CODE_SCOPE = ("is NOT a guarantee (fedtsp.dp_budget=code, the authors' code): the description embedding is noised "
+              "unclipped, so its sensitivity is unbounded; the ledger records epsilon inf (valid=False) beside the "
+              "claimed dp.epsilon, and the class prototypes are sent unnoised")
+ENDS_NOTE = ("fedtsp.dp_positions=tokens: the end-token positions of the dp client's released description sequences, "
+             "read from the clean tokens and sent unnoised (the authors' code holds the tokens); they are the "
+             "descriptions' token counts, so the epsilon holds for neighbouring descriptions of the same token counts")
+ENDS_SCOPE = "holds for neighbouring descriptions of the same token counts (fedtsp.dp_positions=tokens: their end positions are sent)"
 
 
 @dataclass
@@ -89,7 +114,9 @@ class Options:
     dp_delta: float = 1e-5  # replaced by dp.delta (refused with that name unless left at its default)
     dp_clip: float = 2.5  # C, the L2 radius of the description-embedding release (private variant)
     dp_client: int = 0  # the client that embeds and releases the descriptions
-    dp_budget: str = "split"  # split | paper | joint: how the private variant spends dp.epsilon (module docstring)
+    dp_budget: str = "split"  # split | paper | code | joint: how the private variant spends dp.epsilon (module docstring)
+    dp_positions: str = ""  # tokens | noised: where the released sequences end ("" = tokens for paper/code, else noised)
+    text_from_client: bool = False  # without DP: Step 0 on dp_client as the private variant, unnoised (Table 4's like-for-like row)
     dp_share_embedding: float = 0.5  # dp_budget=split: the description embedding's share of dp.epsilon
     dp_share_prototypes: float = 0.5  # dp_budget=split: the class means' share of dp.epsilon (all T releases)
 
@@ -112,6 +139,11 @@ class Options:
             (self.dp_clip > 0, "fedtsp.dp_clip must be > 0"),
             (self.dp_client >= 0, "fedtsp.dp_client must be >= 0"),
             (self.dp_budget in DP_BUDGETS, f"fedtsp.dp_budget must be one of {', '.join(DP_BUDGETS)}, got {self.dp_budget!r}"),
+            (self.dp_positions in DP_POSITIONS,
+             f"fedtsp.dp_positions must be tokens or noised (or empty: tokens under dp_budget=paper|code), got {self.dp_positions!r}"),
+            (not (self.dp_budget == "joint" and self.dp_positions == "tokens"),
+             "fedtsp.dp_positions=tokens narrows the neighbouring relation, which only paper, code and split record in "
+             "the ledger; use one of them, or dp_positions=noised with dp_budget=joint"),
             (0 < self.dp_share_embedding <= 1 and 0 < self.dp_share_prototypes <= 1
              and self.dp_share_embedding + self.dp_share_prototypes <= 1 + 1e-9,
              "fedtsp.dp_share_embedding and fedtsp.dp_share_prototypes must each lie in (0, 1] and sum to at most 1 "
@@ -120,6 +152,11 @@ class Options:
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+
+    @property
+    def positions(self) -> str:
+        """Where the released description sequences end: tokens (sent, as the code) or noised (derived)."""
+        return self.dp_positions or ("tokens" if self.dp_budget in ("paper", "code") or self.text_from_client else "noised")
 
 
 
@@ -159,35 +196,47 @@ class FedTSP(HeteroMethod):
     loss_weights = {"text-prototype alignment": "lam"}
     eval_ignores = ("logit_scale", "text_protos")  # train-time: the client's own model predicts
     Options = Options
-    releases = {"protos": prototype(), "counts": public(COUNTS_NOTE), "text_emb": embedding()}
+    releases = {"protos": prototype(), "counts": public(COUNTS_NOTE), "text_emb": embedding(), "text_ends": public(ENDS_NOTE)}
     # trainable prompt vectors and the received description release live on the server; clients get P^T
-    server_only = ("prompts", "text_release")
+    server_only = ("prompts", "text_release", "text_ends")
     server_metrics = ("loss",)
 
     def __init__(self, train, options, dp=None) -> None:
         super().__init__(train, options, dp)
-        if self.private and self.opts.dp_budget == "paper":  # per instance: the paper sends the class means clean
+        if self.private and self.opts.dp_budget in ("paper", "code"):  # per instance: the paper sends the class means clean
             self.releases = {**type(self).releases, "protos": public(PAPER_PROTOS_NOTE)}  # type: ignore[misc]
 
     @property
     def private(self) -> bool:
         return self.dp.enabled
 
+    @property
+    def from_client(self) -> bool:
+        """The descriptions come from the dp client's release (the private variant, or text_from_client)."""
+        return self.dp.enabled or self.opts.text_from_client
+
     def budget_shares(self) -> Optional[dict[str, BudgetShare]]:
         """dp_budget=split: the embedding and the class means each at their own share of dp.epsilon;
-        paper: the embedding alone, at Eq. 11's classical-Gaussian sigma for the whole dp.epsilon; joint: None."""
-        if self.opts.dp_budget == "paper":
-            return {"text_emb": BudgetShare(1.0, "classic_gaussian", note=PAPER_SCOPE)}
+        paper: the embedding alone, at Eq. 11's classical-Gaussian sigma for the whole dp.epsilon; code: that
+        sigma on the unclipped embedding (no guarantee: the note says so); joint: None. Each note adds what
+        sending the end positions (dp_positions=tokens) does to the neighbouring relation."""
+        ends = f"; it {ENDS_SCOPE}" if self.opts.positions == "tokens" else ""
+        if self.opts.dp_budget in ("paper", "code"):
+            note = PAPER_SCOPE + ends if self.opts.dp_budget == "paper" else CODE_SCOPE
+            return {"text_emb": BudgetShare(1.0, "classic_gaussian", note=note)}
         if self.opts.dp_budget == "split":
-            return {"text_emb": BudgetShare(self.opts.dp_share_embedding), "protos": BudgetShare(self.opts.dp_share_prototypes)}
+            note = ENDS_SCOPE if ends else ""
+            return {"text_emb": BudgetShare(self.opts.dp_share_embedding, note=note),
+                    "protos": BudgetShare(self.opts.dp_share_prototypes)}
         return None
 
     def needs(self) -> Needs:
-        return Needs(input="images", image_size=32, server_classnames=not self.private)
+        return Needs(input="images", image_size=32, server_classnames=not self.from_client)
 
     def releases_of(self, client_id: int) -> list[str]:
-        dp_client = self.private and client_id == self.opts.dp_client
-        return ["protos", "counts"] + (["text_emb"] if dp_client else [])
+        dp_client = self.from_client and client_id == self.opts.dp_client
+        ends = ["text_ends"] if dp_client and self.opts.positions == "tokens" else []
+        return ["protos", "counts"] + (["text_emb"] + ends if dp_client else [])
 
     # -- env ---------------------------------------------------------------------------------
     def _load_plm(self, env: TSPEnv):
@@ -206,7 +255,7 @@ class FedTSP(HeteroMethod):
         from raysim.models.plm import TextPrototypes, plm_output_dim
 
         d_plm = plm_output_dim(self.opts.plm, model=spec.model.model, path=self.opts.plm_path)
-        if self.private and self.opts.dp_client >= self.train.num_clients:
+        if self.from_client and self.opts.dp_client >= self.train.num_clients:
             raise ConfigError(f"fedtsp.dp_client={self.opts.dp_client} is not a client (num_clients={self.train.num_clients})")
         d = self.opts.feature_dim or d_plm
         if d != d_plm:
@@ -219,7 +268,7 @@ class FedTSP(HeteroMethod):
         env.plm = self._load_plm(env)
         env.width = env.plm.width
         env.init_logit_scale = self.opts.init_logit_scale or env.plm.init_logit_scale
-        if not self.private:  # Step 0 on the server
+        if not self.from_client:  # Step 0 on the server
             env.classnames = list(spec.classnames)
             env.text = TextPrototypes.from_texts(env.plm, self._prompt_texts(env))
         return env
@@ -280,8 +329,12 @@ class FedTSP(HeteroMethod):
             first = next((u for u in uploads if "text_emb" in u.tensors), None)
             if first is not None:
                 state["text_release"] = first.tensors["text_emb"].float()
+                if "text_ends" in first.tensors:
+                    state["text_ends"] = first.tensors["text_ends"].long()
         if env.text is None and "text_release" in state:
-            env.text = TextPrototypes.from_release(env.plm, state["text_release"].to(env.device), env.num_classes)
+            ends = state.get("text_ends")
+            env.text = TextPrototypes.from_release(env.plm, state["text_release"].to(env.device), env.num_classes,
+                                                   ends=None if ends is None else ends.to(env.device))
         return state
 
     # -- client half -------------------------------------------------------------------------
@@ -300,15 +353,23 @@ class FedTSP(HeteroMethod):
         clean_means = self.releases["protos"].kind == "public"
         upload = self.release_prototypes(env, model, data, NoDP() if clean_means else privacy)
         private = {**private, "model": snapshot(model), "rounds": int(private.get("rounds", 0)) + 1}
-        if self.private and data.client_id == self.opts.dp_client and "text_protos" not in shared:
-            upload["text_emb"] = privacy.release("text_emb", lambda: self.embed_descriptions(env), clip=self.opts.dp_clip)
+        if self.from_client and data.client_id == self.opts.dp_client and "text_protos" not in shared:
+            emb, ends = self.describe(env)
+            upload["text_emb"] = privacy.release("text_emb", emb, clip=self.opts.dp_clip, unclipped=self.opts.dp_budget == "code")
+            if self.opts.positions == "tokens":
+                upload["text_ends"] = ends
         return LocalResult(upload=upload, private=private, num_samples=data.num_train, metrics={"loss": loss})
 
     def embed_descriptions(self, env: TSPEnv) -> Tensor:
         """The dp client's Step 0 (fedtsp.txt 3.5): E = g_0(prompts), every class with the same number of
         descriptions (cycled) and every sequence at the PLM's fixed length, so the shape says nothing."""
+        return self.describe(env)[0]
+
+    def describe(self, env: TSPEnv) -> tuple[Tensor, Tensor]:
+        """(E (N, T, w) as `embed_descriptions`, (N,) each sequence's end-token position read from its clean
+        tokens: what the authors' code knows from its tokenised prompts, sent under dp_positions=tokens)."""
         plm = self._load_plm(env)
         per_class = self._prompt_texts(env)
         k = max(len(ts) for ts in per_class)
         texts = [ts[i % len(ts)] for ts in per_class for i in range(k)]
-        return plm.embed_fixed(texts).float().cpu()
+        return plm.embed_fixed(texts).float().cpu(), plm.end_index_fixed(texts).long().cpu()

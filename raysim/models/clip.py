@@ -337,6 +337,15 @@ class TextTower(nn.Module):
         """What `forward` needs besides a released (noised) embedding tensor, by post-processing only."""
         raise NotImplementedError
 
+    def end_index(self, tokens: Tensor) -> Tensor:
+        """(N,) the position of each tokenised sequence's end token (EOT / [SEP]), from the clean tokens."""
+        raise NotImplementedError
+
+    def meta_from_ends(self, embeds: Tensor, ends: Tensor) -> Tensor:
+        """What `forward` needs besides `embeds` when each sequence's end position is known (`end_index`):
+        the same as `meta(tokens)` of the tokens the positions came from."""
+        raise NotImplementedError
+
     def tokenize(self, texts: Sequence[str]) -> Tensor:
         return self.tokenizer(list(texts))
 
@@ -426,6 +435,12 @@ class CausalTextTower(TextTower):
     def meta_from_embeddings(self, embeds: Tensor) -> Tensor:
         return self.end_positions(embeds)
 
+    def end_index(self, tokens: Tensor) -> Tensor:
+        return tokens.argmax(dim=-1)
+
+    def meta_from_ends(self, embeds: Tensor, ends: Tensor) -> Tensor:
+        return ends.long().to(embeds.device)
+
     def forward(self, embeds: Tensor, eot: Tensor) -> Tensor:
         """embeds: (N, T, width) token embeddings; eot: (N,) EOT positions -> (N, embed_dim) features."""
         t = int(eot.max().item()) + 1
@@ -475,7 +490,13 @@ class HFTextTower(TextTower):
         return int(t[int((t != self.pad_id).sum()) - 1])  # [SEP] after an empty text
 
     def meta_from_embeddings(self, embeds: Tensor) -> Tensor:
-        end = self.end_positions(embeds)
+        return self.meta_from_ends(embeds, self.end_positions(embeds))
+
+    def end_index(self, tokens: Tensor) -> Tensor:
+        return (tokens != self.pad_id).long().sum(-1) - 1  # the last unpadded token ([SEP])
+
+    def meta_from_ends(self, embeds: Tensor, ends: Tensor) -> Tensor:
+        end = ends.long().to(embeds.device)
         return (torch.arange(embeds.shape[1], device=end.device)[None] <= end[:, None]).long()
 
     def forward(self, embeds: Tensor, mask: Tensor) -> Tensor:

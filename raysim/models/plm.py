@@ -75,9 +75,18 @@ class ClipPLM(nn.Module):
         return self.tower.embed_tokens(self.tower.tokenize(texts))
 
     @torch.no_grad()
-    def aux_from_release(self, embeds: Tensor) -> Tensor:
-        """What `encode` needs besides a *released* (noised) embedding tensor, by post-processing only."""
-        return self.tower.meta_from_embeddings(embeds)
+    def end_index_fixed(self, texts: Sequence[str]) -> Tensor:
+        """(N,) each sequence's end-of-text position, from the clean tokens of `embed_fixed`."""
+        return self.tower.end_index(self.tower.tokenize(texts))
+
+    @torch.no_grad()
+    def layout_release(self, embeds: Tensor, ends: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(token embeddings, what `encode` needs besides them) of a *released* (noised) tensor: with the end
+        positions `ends` known (`end_index_fixed`), exactly what `embed` gives for the same texts; without,
+        by post-processing of the release only (each end position = the position nearest the end token)."""
+        if ends is None:
+            return embeds, self.tower.meta_from_embeddings(embeds)
+        return embeds, self.tower.meta_from_ends(embeds, ends)
 
 
 class BertPLM(nn.Module):
@@ -122,9 +131,21 @@ class BertPLM(nn.Module):
         ids = enc["input_ids"].to(self.model.device)
         return self.model.embeddings(input_ids=ids) if self.double_embedding else self.model.embeddings.word_embeddings(ids)
 
-    def aux_from_release(self, embeds: Tensor) -> Tensor:
-        """`encode` attends over every position (no mask, as the official code), so nothing is needed."""
-        return torch.full((embeds.shape[0],), embeds.shape[1], dtype=torch.long)
+    @torch.no_grad()
+    def end_index_fixed(self, texts: Sequence[str]) -> Tensor:
+        """(N,) the position of each sequence's [SEP] in `embed_fixed`, from the clean tokens."""
+        length = min(self.RELEASE_LENGTH, self.max_len)
+        enc = self.tokenizer(list(texts), padding="max_length", truncation=True, max_length=length, return_tensors="pt")
+        return enc["attention_mask"].sum(-1) - 1
+
+    def layout_release(self, embeds: Tensor, ends: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """`encode` attends over every position (no mask, as the official code). With the end positions
+        `ends` known, the release is cut after the longest sequence, as `embed` pads to the longest prompt
+        (so the server's text is what it would be without DP, up to the noise); without, all T positions."""
+        if ends is None:
+            return embeds, torch.full((embeds.shape[0],), embeds.shape[1], dtype=torch.long)
+        ends = ends.long()
+        return embeds[:, : int(ends.max()) + 1], ends + 1
 
 
 def resolve_bert_path(path: str = "") -> str:
@@ -211,14 +232,21 @@ class TextPrototypes(nn.Module):
         return cls(plm, base, aux, index, len(prompts_per_class))
 
     @classmethod
-    def from_release(cls, plm: ClipPLM | BertPLM, released: Tensor, num_classes: int) -> "TextPrototypes":
+    def from_release(cls, plm: ClipPLM | BertPLM, released: Tensor, num_classes: int,
+                     ends: Tensor | None = None) -> "TextPrototypes":
         """From a client's DP release (N, T, w) of k = N / C descriptions per class in class order: the
-        class of each row and what the PLM needs besides the embeddings are derived, not sent."""
+        class of each row is derived, not sent. `ends` (N,): each sequence's end position from the clean
+        tokens, sent beside the release (FedTSP's `fedtsp.dp_positions=tokens`, as the authors' code
+        knows them), so the PLM reads the same positions as without DP; None: derived from the release."""
         n = int(released.shape[0])
         if n == 0 or n % num_classes:
             raise ConfigError(f"a description release has {n} rows, not a whole number of rows for each of {num_classes} classes")
+        if ends is not None and (ends.shape != (n,) or int(ends.min()) < 0 or int(ends.max()) >= released.shape[1]):
+            raise ConfigError(f"a description release's end positions must be {n} positions below {released.shape[1]}, "
+                              f"got shape {tuple(ends.shape)}")
         index = torch.arange(num_classes).repeat_interleave(n // num_classes)
-        return cls(plm, released, plm.aux_from_release(released), index, num_classes)
+        base, aux = plm.layout_release(released, ends)
+        return cls(plm, base, aux, index, num_classes)
 
     def embeddings(self, prompts: Tensor) -> Tensor:
         return insert_prompts(self.base, prompts, self.class_index)

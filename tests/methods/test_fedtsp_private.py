@@ -225,3 +225,134 @@ def test_table4_spec_runs_the_papers_mechanism_and_the_default(tmp_path):
     rows = list(seen.values())
     assert {(e, "paper") for e in eps} in rows and {(e, "split") for e in eps} in rows
     assert {(math.inf, None)} in rows  # the no-DP row, in every column
+
+
+def _server(method):
+    return method.build_env(EnvSpec(ModelSpec(), NAMES, dataset="digits"), role="server")
+
+
+def test_paper_mode_releases_the_clipped_noised_clean_embedding_and_the_clean_end_positions():
+    """#46: the release is Clip_C(vec E) + N(0, sigma^2) of the clean E (by hand, on the host's seeded stream),
+    and the end positions the server uses are those of the clean tokens, sent beside it (the code knows
+    them), not positions guessed from the noise; BERT's release is cut after the longest sequence, as the
+    no-DP path pads to the longest prompt."""
+    from raysim.methods.base import Upload
+    from raysim.privacy.accountant import classic_gaussian_multiplier
+    from raysim.sampling import generator
+
+    eps = 1.0
+    method, env, host = _setup(eps, dp_budget="paper")
+    assert method.opts.positions == "tokens" and method.releases_of(0) == ["protos", "counts", "text_emb", "text_ends"]
+    up, _, _, _, shared = _round(method, env, host)
+    clean = method.embed_descriptions(env)
+    v = clean.double().reshape(-1)
+    v = v * min(1.0, C_CLIP / float(v.norm()))
+    noise = torch.randn(v.shape, generator=generator(1, "dp-release", "text_emb", 0, 0), dtype=torch.float64)
+    z = classic_gaussian_multiplier(epsilon=eps, delta=DELTA)
+    expected = (v + 2 * C_CLIP * z * noise).reshape(clean.shape).float()
+    # float32 output of a float64 computation: |values| < 6 sigma = 145, so 1e-4 is ~10 float32 ulps
+    assert torch.allclose(up["text_emb"], expected, atol=1e-4, rtol=0)
+    texts = [t for ts in method._prompt_texts(env) for t in ts]  # k = 3 descriptions for every class
+    plm = method._load_plm(env)
+    enc = plm.tokenizer(texts, padding="max_length", max_length=77, truncation=True, return_tensors="pt")
+    ends = enc["attention_mask"].sum(-1) - 1
+    assert torch.equal(up["text_ends"], ends)
+    # the server builds its text from the release at exactly those positions
+    senv = _server(method)
+    state = method.receive_release(senv, shared, [Upload(0, up, 12)])
+    assert torch.equal(state["text_ends"], ends)
+    assert senv.text.base.shape[1] == int(ends.max()) + 1  # what embed() pads to for the same texts
+    assert torch.allclose(senv.text.base, up["text_emb"][:, : int(ends.max()) + 1])
+
+
+@pytest.mark.parametrize("plm_kind", ["bert", "clip"])
+def test_a_noiseless_release_at_the_clean_end_positions_is_the_no_dp_text(plm_kind):
+    """With the end positions known, the release path differs from the no-DP path by the noise alone: the
+    clean fixed-length embedding gives the server's own text prototypes (BERT: cut to the longest prompt;
+    CLIP: its EOT positions). Without the positions (dp_positions=noised) the text is another one."""
+    from raysim.methods.fedtsp.fedtsp_descriptions import class_prompts
+    from raysim.models.plm import TextPrototypes, load_plm
+
+    plm = load_plm(plm_kind, spec=ModelSpec())
+    per = class_prompts(NAMES, dataset="digits")
+    texts = [t for ts in per for t in ts]
+    prompts = 0.02 * torch.randn(len(NAMES), 2, plm.width, generator=torch.Generator().manual_seed(0))
+    want = TextPrototypes.from_texts(plm, per)(prompts)
+    emb, ends = plm.embed_fixed(texts).float(), plm.end_index_fixed(texts)
+    got = TextPrototypes.from_release(plm, emb, len(NAMES), ends=ends)(prompts)
+    # the same float32 network on the same inputs (CLIP: the same tensors; BERT: the same values, cut)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+    if plm_kind == "bert":  # all 77 positions, padding included (no mask, as the code): another text
+        assert not torch.allclose(TextPrototypes.from_release(plm, emb, len(NAMES))(prompts), want, atol=1e-3)
+    else:  # under Eq. 11's noise at epsilon 8 (std 3.03), the end positions guessed from the release are wrong
+        noisy = emb + 3.03 * torch.randn(emb.shape, generator=torch.Generator().manual_seed(1))
+        assert not torch.equal(plm.layout_release(noisy)[1], plm.layout_release(noisy, ends)[1])
+
+
+def test_code_mode_noises_the_unclipped_embedding_and_records_no_epsilon():
+    """fedtsp.dp_budget=code, the authors' clip_base_v2_dp.py: Eq. 11's sigma added to the unclipped
+    embedding (by hand on the seeded stream); the ledger holds one invalid release with epsilon inf and the
+    claimed epsilon beside it, and what the run prints says it is not a guarantee."""
+    from raysim.config.checks import build_config
+    from raysim.engine.loop import privacy_scope
+    from raysim.privacy.accountant import classic_gaussian_multiplier
+    from raysim.sampling import generator
+
+    eps = 8.0
+    method, env, host = _setup(eps, dp_budget="code")
+    up, _, _, _, _ = _round(method, env, host)
+    clean = method.embed_descriptions(env).double()
+    noise = torch.randn(clean.numel(), generator=generator(1, "dp-release", "text_emb", 0, 0), dtype=torch.float64)
+    expected = clean + 2 * C_CLIP * classic_gaussian_multiplier(epsilon=eps, delta=DELTA) * noise.reshape(clean.shape)
+    assert torch.allclose(up["text_emb"].double(), expected, atol=1e-5, rtol=0)  # |values| < 20: float32 rounding
+    assert float((up["text_emb"].double() - clean).std()) == pytest.approx(eq11_sigma(eps), rel=0.02)
+    ledger = host.ledger(0)
+    (r,) = ledger.releases
+    assert not r.valid and not ledger.valid and r.claimed_epsilon == eps and "NOT a guarantee" in r.note
+    assert math.isinf(ledger.epsilon()) and math.isinf(host.epsilon(0))  # epsilon_max: nan in results.csv
+    assert torch.equal(up["protos"], up["protos"]) and method.releases["protos"].kind == "public"
+    cfg = build_config({"method": "fedtsp", "data": {"dataset": "digits"}, "dp": {"epsilon": eps},
+                        "fedtsp": {"model_family": "tiny", "plm": "bert", "dp_budget": "code"}})
+    assert "the epsilon is NOT a guarantee" in privacy_scope(cfg)
+
+
+def test_end_positions_option_is_validated_and_defaults_per_budget():
+    from raysim.errors import ConfigError
+    from raysim.methods.fedtsp.fedtsp import Options
+
+    assert [Options(dp_budget=b).positions for b in ("paper", "code", "split", "joint")] == ["tokens", "tokens", "noised", "noised"]
+    assert Options(dp_budget="paper", dp_positions="noised").positions == "noised"
+    for bad in ({"dp_positions": "eot"}, {"dp_positions": "tokens", "dp_budget": "joint"}):
+        with pytest.raises(ConfigError, match="dp_positions"):
+            Options(**bad).validate()
+    method, _, _ = _setup(1.0, dp_budget="paper", dp_positions="noised")
+    assert method.releases_of(0) == ["protos", "counts", "text_emb"]
+    assert "same token counts" not in method.budget_shares()["text_emb"].note
+    assert "same token counts" in _setup(1.0, dp_budget="paper")[0].budget_shares()["text_emb"].note
+
+
+def test_text_from_client_without_dp_sends_the_clean_embedding_at_the_clean_end_positions():
+    """fedtsp.text_from_client (the private path without DP, Table 4's like-for-like row): the dp client
+    uploads its clean embedding and end positions, the server is built without class names, and the text
+    it builds is the no-DP server's own (the paths differ only in when the text arrives)."""
+    from raysim.methods.base import Upload
+    from raysim.methods.fedtsp.fedtsp import FedTSP, Options
+    from raysim.privacy.dpsgd import NoDP
+
+    method, env, _ = _setup(math.inf, text_from_client=True)
+    assert not method.needs().server_classnames and method.releases_of(0)[2:] == ["text_emb", "text_ends"]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    data = ClientData(0, x, torch.tensor([0, 1, 2] * 4), x[:3], torch.tensor([0, 1, 2]), 3)
+    shared = method.init_shared(_server(method), g)
+    assert "text_protos" not in shared  # nothing until the dp client's release
+    up = method.local_train(env, shared, method.init_private(env, data, g), data, rng=g, privacy=NoDP()).upload
+    emb, ends = method.describe(env)
+    assert torch.equal(up["text_emb"], emb) and torch.equal(up["text_ends"], ends)
+    senv = _server(method)
+    method.receive_release(senv, shared, [Upload(0, up, 12)])
+    plain = FedTSP(method.train, Options(plm="bert", model_family="tiny", len_prompt=2), method.dp)
+    penv = plain.build_env(EnvSpec(ModelSpec(), NAMES, dataset="digits"), role="server")
+    prompts = shared["prompts"]
+    # the same float32 BERT on the same embeddings (cut to the longest prompt): rounding only
+    assert torch.allclose(senv.text(prompts), penv.text(prompts), atol=1e-5, rtol=1e-4)
