@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from raysim.errors import ConfigError
+from raysim.errors import ConfigError, shown
 from raysim.methods.base import ClientData, EnvSpec, LocalResult, Needs, ServerResult, register_method
 from raysim.methods.families.prototype import COUNTS_NOTE, aggregate_prototypes, stack_uploads
 from raysim.methods.families.zoo import HeteroMethod, HtEnv, snapshot
@@ -138,9 +138,9 @@ class Options:
              "(fedtsp.txt 3.5) is on whenever dp.epsilon < inf, and its release is accounted in the host's ledger"),
             (self.dp_clip > 0, "fedtsp.dp_clip must be > 0"),
             (self.dp_client >= 0, "fedtsp.dp_client must be >= 0"),
-            (self.dp_budget in DP_BUDGETS, f"fedtsp.dp_budget must be one of {', '.join(DP_BUDGETS)}, got {self.dp_budget!r}"),
+            (self.dp_budget in DP_BUDGETS, f"fedtsp.dp_budget must be one of {', '.join(DP_BUDGETS)}, got {shown(self.dp_budget)}"),
             (self.dp_positions in DP_POSITIONS,
-             f"fedtsp.dp_positions must be tokens or noised (or empty: tokens under dp_budget=paper|code), got {self.dp_positions!r}"),
+             f"fedtsp.dp_positions must be tokens or noised (or empty: tokens under dp_budget=paper|code), got {shown(self.dp_positions)}"),
             (not (self.dp_budget == "joint" and self.dp_positions == "tokens"),
              "fedtsp.dp_positions=tokens narrows the neighbouring relation, which only paper, code and split record in "
              "the ledger; use one of them, or dp_positions=noised with dp_budget=joint"),

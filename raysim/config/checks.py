@@ -210,10 +210,10 @@ def _validate_data(d: DataConfig) -> None:
     _check(d.beta > 0 and math.isfinite(d.beta), f"data.beta must be a positive number, got {d.beta}")
     _check(d.shots >= 0, f"data.shots must be >= 0 (0 = use all training images), got {d.shots}")
     _check(not d.domain_reseed or d.partition == "domain",
-           f"data.domain_reseed=true is the FedSEPT code's domain split; it needs data.partition=domain (got {d.partition!r})")
+           f"data.domain_reseed=true is the FedSEPT code's domain split; it needs data.partition=domain (got {shown(d.partition)})")
     _check(d.cifar_transform in ("clip", "official"),
            f"data.cifar_transform must be clip (CLIP's normalisation) or official (the FedSEPT code's CIFAR mean/std, then "
-           f"resize), got {d.cifar_transform!r}")
+           f"resize), got {shown(d.cifar_transform)}")
     _check(d.min_samples >= 0, f"data.min_samples must be >= 0 (0 = the partition's default), got {d.min_samples}")
     _check((d.partition == "stored") == (d.dataset == "pfllib"),
            "data.partition=stored (the clients a folder stores) goes with data.dataset=pfllib, and only with it")
@@ -282,7 +282,7 @@ def _validate_train(t: TrainConfig) -> None:
     _check(t.n_ctx >= 1, f"train.n_ctx must be >= 1, got {t.n_ctx}")
     _check(t.optimizer_state in OPTIMIZER_STATES,
            f"train.optimizer_state must be fresh (a new SGD state per client per round) or shared (the FedSEPT code's one "
-           f"optimiser for all clients), got {t.optimizer_state!r}")
+           f"optimiser for all clients), got {shown(t.optimizer_state)}")
     _check(0 <= t.seed < 2**63, f"train.seed must be in [0, 2^63), got {_short(t.seed)}")
 
 
