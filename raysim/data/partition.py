@@ -194,6 +194,28 @@ def pathological(spec: PartitionSpec) -> list[ClientSplit]:
     return out
 
 
+def _cut_classes(train_idx_by_class: list[np.ndarray], test_idx_by_class: list[np.ndarray], num_clients: int,
+                 draw: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]) -> list[ClientSplit]:
+    """One pass over the classes (SPEC 1.9, noniid-labeldir): `draw` gives the class's shuffled train and test
+    indices and its proportions p; clients holding N / K training samples already are zeroed out of p, and both
+    splits of the class are cut by p's cumulative sums."""
+    n_train = sum(len(i) for i in train_idx_by_class)
+    tr: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    te: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    counts = np.zeros(num_clients)
+    for tr_c, te_c in zip(train_idx_by_class, test_idx_by_class):
+        tr_c, te_c, p = draw(tr_c, te_c)
+        p = p * (counts < n_train / num_clients)
+        p = p / p.sum() if p.sum() > 0 else np.full(num_clients, 1.0 / num_clients)
+        for src, dst in ((tr_c, tr), (te_c, te)):
+            cuts = (np.cumsum(p) * len(src)).astype(int)[:-1]
+            for k, part in enumerate(np.split(src, cuts)):
+                dst[k].append(part)
+        counts += np.array([len(x[-1]) for x in tr])
+    return [ClientSplit(np.concatenate(a) if a else np.zeros(0, np.int64), np.concatenate(b) if b else np.zeros(0, np.int64))
+            for a, b in zip(tr, te)]
+
+
 def _dirichlet_split(
     train_idx_by_class: list[np.ndarray],
     test_idx_by_class: list[np.ndarray],
@@ -206,27 +228,12 @@ def _dirichlet_split(
     """Per class, p ~ Dir(beta); clients already over N/K get no more (SPEC 1.9, noniid-labeldir);
     train and test indices of the class are split with the same p. Redraw until every client has
     `min_samples` train and test samples."""
-    n_train = sum(len(i) for i in train_idx_by_class)
     start, draws, best = time.monotonic(), 0, -1
     while draws < DIRICHLET_MAX_DRAWS and (draws == 0 or time.monotonic() - start < DIRICHLET_MAX_SECONDS):
         draws += 1
-        tr: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
-        te: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
-        counts = np.zeros(num_clients)
-        for tr_c, te_c in zip(train_idx_by_class, test_idx_by_class):
-            tr_c, te_c = rng.permutation(tr_c), rng.permutation(te_c)
-            p = rng.dirichlet(np.full(num_clients, beta))
-            p = p * (counts < n_train / num_clients)
-            p = p / p.sum() if p.sum() > 0 else np.full(num_clients, 1.0 / num_clients)
-            for src, dst in ((tr_c, tr), (te_c, te)):
-                cuts = (np.cumsum(p) * len(src)).astype(int)[:-1]
-                for k, part in enumerate(np.split(src, cuts)):
-                    dst[k].append(part)
-            counts += np.array([len(x[-1]) for x in tr])
-        splits = [
-            ClientSplit(np.concatenate(a) if a else np.zeros(0, np.int64), np.concatenate(b) if b else np.zeros(0, np.int64))
-            for a, b in zip(tr, te)
-        ]
+        splits = _cut_classes(train_idx_by_class, test_idx_by_class, num_clients,
+                              lambda tr_c, te_c: (rng.permutation(tr_c), rng.permutation(te_c),
+                                                  rng.dirichlet(np.full(num_clients, beta))))
         fewest = min(min(len(s.train), len(s.test)) for s in splits)
         if fewest >= min_samples:
             return splits
@@ -299,25 +306,14 @@ def _reseeded_split(train_idx_by_class: list[np.ndarray], test_idx_by_class: lis
     generator re-seeded to 0 shuffles its train then its test indices, and re-seeded to 0 again draws
     p ~ Dir(beta 1_K), so every class draws the same p; clients holding N / K training samples already are zeroed
     out of p, and both splits of the class are cut by p's cumulative sums."""
-    n_train = sum(len(i) for i in train_idx_by_class)
-    tr: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
-    te: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
-    counts = np.zeros(num_clients)
-    for tr_c, te_c in zip(train_idx_by_class, test_idx_by_class):
+    def draw(tr_c: np.ndarray, te_c: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         tr_c, te_c = tr_c.copy(), te_c.copy()
         shuffle = np.random.RandomState(0)  # np.random.seed(0); np.random.shuffle(train); np.random.shuffle(test)
         shuffle.shuffle(tr_c)
         shuffle.shuffle(te_c)
-        p = np.random.RandomState(0).dirichlet(np.repeat(beta, num_clients))  # np.random.seed(0) again: the same p
-        p = p * (counts < n_train / num_clients)
-        p = p / p.sum() if p.sum() > 0 else np.full(num_clients, 1.0 / num_clients)
-        for src, dst in ((tr_c, tr), (te_c, te)):
-            cuts = (np.cumsum(p) * len(src)).astype(int)[:-1]
-            for k, part in enumerate(np.split(src, cuts)):
-                dst[k].append(part)
-        counts += np.array([len(x[-1]) for x in tr])
-    splits = [ClientSplit(np.concatenate(a) if a else np.zeros(0, np.int64), np.concatenate(b) if b else np.zeros(0, np.int64))
-              for a, b in zip(tr, te)]
+        return tr_c, te_c, np.random.RandomState(0).dirichlet(np.repeat(beta, num_clients))  # seed(0) again: the same p
+
+    splits = _cut_classes(train_idx_by_class, test_idx_by_class, num_clients, draw)
     fewest = min(min(len(s.train), len(s.test)) for s in splits)
     if fewest < min_samples:
         raise ConfigError(
