@@ -6,9 +6,10 @@ Prompt  P_k = G + U_k V_k + S_k: G (L x w) is the shared `global_ctx`; U_k (L x 
         factorisation of a matrix X (`factorize`): V0 ~ N(0, 1) (w x r), U = GS(X V0), V = GS(X^T U)^T,
         S = X - U V (GS = Gram-Schmidt on the columns), so U V + S = X exactly. At the start X is a fresh
         N(0, 0.02^2) matrix; after the last batch of every local epoch X = U V + S is re-factorised with
-        fresh randomness (the "QR-based re-factorisation" of B.2). The rank is capped at min(r, L, w):
+        fresh randomness (the "QR-based re-factorisation" of B.2; dp_mode=reference: in every forward,
+        as the DP-FPL code does, see DP below). The rank is capped at min(r, L, w):
         Gram-Schmidt cannot give U more orthonormal columns than it has rows.
-Client  CE on s * cos(v(x), t_c(P_k)); G, U, V and S all train; only G is uploaded.
+Client  CE on s * cos(v(x), t_c(P_k)); G, U, V and S all train (dp_mode=reference: G and X); only G is uploaded.
 Server  FedAvg of G; the evaluated model is the latest global G with the client's own U, V, S (SPEC 1.8).
 DP      dp_mode=per_example (default): DP-SGD on G through `privacy.backward`, accounted by the host like
         every dpsgd release; U, V, S take the plain gradient. dp_mode=reference: the DP-FPL code
