@@ -182,6 +182,8 @@ NOT_IN_REPO = {
     "generate_Cifar100.py": "fedtsp.md: XinghaoWu/FedTSP_CVPR26's CIFAR-100 generator",
     "dataset/utils/dataset_utils.py": "fedtsp.md: XinghaoWu/FedTSP_CVPR26's copy of PFLlib's file",
     "system/flcore/trainmodel/clip_base_v2_dp.py": "fedtsp.md: XinghaoWu/FedTSP_CVPR26's private PLM",
+    "trainers/DP_FPL.py": "fedsept.md: linhhtran/DP-FPL's trainer, read for the DP-FPL side-by-side table",
+    "federated_main.py": "fedsept.md: linhhtran/DP-FPL's federated loop, read for the same table",
     "clip_base_v2_dp.py": "fedtsp.md: the same file, by name",
     "main.py": "vpdr.md: yuCoryx/ProtoPFL_VPDR's entry point",
     "options.py": "vpdr.md: yuCoryx/ProtoPFL_VPDR's argparse defaults",

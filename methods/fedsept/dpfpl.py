@@ -6,23 +6,30 @@ Prompt  P_k = G + U_k V_k + S_k: G (L x w) is the shared `global_ctx`; U_k (L x 
         factorisation of a matrix X (`factorize`): V0 ~ N(0, 1) (w x r), U = GS(X V0), V = GS(X^T U)^T,
         S = X - U V (GS = Gram-Schmidt on the columns), so U V + S = X exactly. At the start X is a fresh
         N(0, 0.02^2) matrix; after the last batch of every local epoch X = U V + S is re-factorised with
-        fresh randomness (the "QR-based re-factorisation" of B.2). The rank is capped at min(r, L, w):
+        fresh randomness (the "QR-based re-factorisation" of B.2; dp_mode=reference: in every forward,
+        as the DP-FPL code does, see DP below). The rank is capped at min(r, L, w):
         Gram-Schmidt cannot give U more orthonormal columns than it has rows.
-Client  CE on s * cos(v(x), t_c(P_k)); G, U, V and S all train; only G is uploaded.
+Client  CE on s * cos(v(x), t_c(P_k)); G, U, V and S all train (dp_mode=reference: G and X); only G is uploaded.
 Server  FedAvg of G; the evaluated model is the latest global G with the client's own U, V, S (SPEC 1.8).
 DP      dp_mode=per_example (default): DP-SGD on G through `privacy.backward`, accounted by the host like
         every dpsgd release; U, V, S take the plain gradient. dp_mode=reference: the DP-FPL code
         (linhhtran/DP-FPL federated_main.py, trainers/DP_FPL.py), a lock-step round (`lockstep_steps`):
         at every local step each client clips the batch-mean gradient of G to NORM_THRESH C as a whole
-        (no noise; `privacy.backward` with the `dpfpl_reference` mechanism) and uploads it as `global_grad`;
-        U and V get their gradients clipped to C and N(0, (sigma C/B)^2) added locally; U, V, S step.
-        The server averages the K gradients, adds N(0, (sigma C/(B K))^2) and steps G (SGD with momentum
-        and weight decay, its state in the server-only `momentum`), sigma = sqrt(T ln(1/delta)) / epsilon
-        (q = 1, T = train.rounds). The upload carries no noise, so this is NOT a local-DP guarantee: the
-        ledger marks each step valid=False (epsilon inf) with claimed_epsilon = dp.epsilon. Not reproduced:
-        the code's one optimiser shared by all clients (its momentum on G is stepped K times per step) and
-        its stepping every client's U, V with the last client's gradients (the model object is shared).
-        Optimiser state is fresh each round here, as for every method (SPEC 1.7 [decide]).
+        (no noise; `privacy.backward` with the `dpfpl_reference` mechanism) and uploads it as `global_grad`.
+        The local prompt is the code's one matrix X (`local_ctx`; stored here as U V + residual): every
+        forward re-factorises it afresh at rank r (`factorize`, the code's PromptLearner.forward), the
+        residual S = X - U V is a constant of that forward (no gradient of its own), only U and V take
+        gradients; under DP each is clipped to C and gets N(0, (sigma C/B)^2); X steps with the code's
+        rank-projected gradient of those two, each divided by 10 (`code_local_update`). The server
+        averages the K gradients, adds N(0, (sigma C/(B K))^2) and steps G (SGD with momentum and weight
+        decay, its state in the server-only `momentum`), sigma = sqrt(T ln(1/delta)) / epsilon (q = 1,
+        T = train.rounds). The upload carries no noise, so this is NOT a local-DP guarantee: the ledger
+        marks each step valid=False (epsilon inf) with claimed_epsilon = dp.epsilon. Not reproduced: the
+        code's one optimiser shared by all clients (its momentum on G is stepped K times per step, and
+        on X across clients) and its stepping every client's X with the last client's gradient (one model
+        object is shared: load_state_dict keeps the last forward's .grad). The code also steps U and V,
+        which the next forward overwrites (no effect; not done here). Optimiser state is fresh each round
+        here, as for every method (SPEC 1.7 [decide]).
 Stacks  dp_mode=per_example trains client-batched stacks (execution.batch_clients): the step hooks below are
         its local round for one client or a stack (ClipPromptMethod.train_clients); reference goes client by client.
 """
@@ -83,6 +90,36 @@ def factorize(X: Tensor, rank: int, rng: torch.Generator) -> tuple[Tensor, Tenso
         U = gram_schmidt(X @ V0)
         V = gram_schmidt(X.t() @ U).t()
         return U, V, X - U @ V
+
+
+def code_full_grad(U: Tensor, V: Tensor, gU: Tensor, gV: Tensor) -> Tensor:
+    """The DP-FPL code's gradient of the local prompt X = U V + S (trainers/DP_FPL.py `compute_full_grad`,
+    applied to local_ctx after the U, V gradients are clipped and noised): with gU, gV each divided by 10,
+    gU V + U gV + U U^T gU V. Unclipped, gU = g V^T and gV = U^T g for the prompt's gradient g, so it is
+    (g P_V + P_U g + P_U g P_V) / 10 with the projections P_U = U U^T, P_V = V^T V: a rank-projected g / 10."""
+    gU, gV = gU / 10.0, gV / 10.0
+    gU_V = gU @ V
+    return gU_V + U @ gV + U @ (U.t() @ gU_V)
+
+
+def code_local_update(X: Tensor, U: Tensor, V: Tensor, gU: Tensor, gV: Tensor, *, clip: Optional[float], noise_std: float,
+                      rng: Optional[torch.Generator], buf: Any, train) -> tuple[Tensor, Tensor]:
+    """dp_mode=reference, the client's step of its local prompt X as the DP-FPL code takes it (trainers/DP_FPL.py
+    forward_pass, then the optimiser step): U, V are this forward's factorisation of X and gU, gV their
+    gradients; under DP (`clip` not None) each is clipped to `clip` as a whole and gets N(0, noise_std^2);
+    X steps (SGD, `sgd_step`) with `code_full_grad`. The residual has no gradient: the code computes it under
+    no_grad from X in each forward. Returns (X', momentum buffer)."""
+    if clip is not None:
+        gU, gV = (_clip_noise(g, clip, noise_std, rng) for g in (gU, gV))
+    return sgd_step(X, code_full_grad(U, V, gU, gV), buf, train)
+
+
+def _clip_noise(g: Tensor, clip: float, std: float, rng: Optional[torch.Generator]) -> Tensor:
+    """The code's clip of a gradient as a whole to `clip`, then N(0, std^2) added (std 0: none)."""
+    g = g * min(1.0, clip / max(float(g.norm()), 1e-12))
+    if std > 0:
+        g = g + torch.randn(g.shape, generator=rng).to(g.device) * std
+    return g
 
 
 @register_method
@@ -192,42 +229,39 @@ class DPFPL(ClipPromptMethod):
                 p.copy_(new)  # in place: the optimiser keeps its state, as the reference code does
 
     def _lockstep_train(self, env, shared, private, data: ClientData, *, rng, privacy) -> LocalResult:
-        """One lock-step of client k (dp_mode=reference): one batch of its current epoch, the clipped
-        gradient of G uploaded, U, V (clipped and noised, under DP) and S stepped locally. Its epoch's batch
-        order, step counter and optimiser state live in private["lockstep"], reset at each new round."""
+        """One lock-step of client k (dp_mode=reference), as the DP-FPL code's forward_pass: one batch of its
+        current epoch; the local prompt X re-factorised afresh (U, V, S = factorize(X)); the clipped gradient
+        of G uploaded; X stepped by `code_local_update`. Its epoch's batch order, step counter and optimiser
+        state (X's momentum) live in private["lockstep"], reset at each new round."""
         tag = _round_tag(rng)
         st: dict[str, Any] = private.get("lockstep") or {}
         if st.get("tag") != tag:  # a new round: fresh optimiser state (SPEC 1.7 [decide]), a fresh epoch
-            st = {"tag": tag, "step": 0, "order": [], "momentum": [None, None, None]}
+            st = {"tag": tag, "step": 0, "order": [], "momentum": None}
         step_rng = generator(tag, "client-step", st["step"])
         if not st["order"]:  # the epoch's batches (fixed-size, shuffled: the code's loaders)
             st["order"] = list(privacy.batches(data.num_train, self.train.batch_size, step_rng))
         idx = st["order"].pop(0)
+        X = self._local(env, private)  # the code's local_ctx
+        U, V, S = factorize(X, self.rank(env), generator(tag, "refactorize", st["step"]))  # every forward
         G = shared["global_ctx"].clone().to(env.device).requires_grad_(True)
-        U, V, S = (private[k].clone().to(env.device).requires_grad_(True) for k in ("U", "V", "residual"))
+        U, V = U.requires_grad_(True), V.requires_grad_(True)
         x, y = data.x_train[idx].to(env.device), data.y_train[idx].to(env.device)
         text = env.prompts.text_features(self.prompt(G, U, V, S))
         loss = F.cross_entropy(self.logits(env, x, text), y, reduction="none")
-        privacy.backward(loss, dp_params={"global_grad": G}, other_params=[U, V, S])
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in (U, V, S)]
-        if privacy.enabled:  # the code clips and noises the local U and V gradients too (the residual: plain)
-            std = local_noise_std(self.train.rounds, self.dp.epsilon, self.dp.delta, self.opts.norm_thresh, self.train.batch_size)
-            for j in (0, 1):
-                g = grads[j] * min(1.0, self.opts.norm_thresh / max(float(grads[j].norm()), 1e-12))
-                grads[j] = g + torch.randn(g.shape, generator=step_rng).to(g.device) * std
-        new, bufs = [], []
-        for p, g, buf in zip((U, V, S), grads, st["momentum"]):
-            p2, b2 = sgd_step(p.detach(), g.detach(), buf, self.train)
-            new.append(p2)
-            bufs.append(b2)
-        st["momentum"] = bufs
-        if not st["order"]:  # the epoch's last batch: re-factorise U V + S afresh
-            new = list(factorize(new[0] @ new[1] + new[2], self.rank(env), step_rng))
+        privacy.backward(loss, dp_params={"global_grad": G}, other_params=[U, V])
+        gU, gV = (p.grad if p.grad is not None else torch.zeros_like(p) for p in (U, V))
+        clip, std = None, 0.0
+        if privacy.enabled:  # the code clips and noises the U and V gradients too
+            clip = self.opts.norm_thresh
+            std = local_noise_std(self.train.rounds, self.dp.epsilon, self.dp.delta, clip, self.train.batch_size)
+        U, V = U.detach(), V.detach()
+        X, st["momentum"] = code_local_update(X, U, V, gU.detach(), gV.detach(), clip=clip, noise_std=std,
+                                              rng=step_rng, buf=st["momentum"], train=self.train)
         st["step"] += 1
         upload = G.grad if G.grad is not None else torch.zeros_like(G)
         return LocalResult(
             upload={"global_grad": upload.detach().cpu()},
-            private={"U": new[0].cpu(), "V": new[1].cpu(), "residual": new[2].cpu(), "lockstep": st},
+            private={"U": U.cpu(), "V": V.cpu(), "residual": (X - U @ V).cpu(), "lockstep": st},  # U V + residual = X
             num_samples=data.num_train,
             metrics={"loss": float(loss.mean().item()) if len(idx) else math.nan},
         )

@@ -9,6 +9,7 @@ import math
 
 import pandas as pd
 import torch
+import torch.nn.functional as F
 from conftest import tiny_config
 
 from raysim.config import DPConfig
@@ -127,3 +128,115 @@ def test_reference_mode_identical_inline_and_on_ray(tmp_path, cache_dir, ray_ses
     ra, rb = (pd.read_csv(r.out_dir / "results.csv")[cols] for r in (a, b))
     pd.testing.assert_frame_equal(ra, rb)
     assert ra["train_loss"].notna().all()
+
+
+# ---------------------------------------------------------------- the local step (Ray-free, a fake text tower)
+# The DP-FPL code (trainers/DP_FPL.py): every forward re-factorises the local prompt X (local_ctx) afresh,
+# U, V, S = factorize(X, r); the prompt is G + U V + S with S a constant of the forward; U and V are clipped
+# to C and noised under DP; X steps with compute_full_grad = (gU V + U gV + U U^T gU V) / 10. A text tower
+# that is the identity (class c's feature is row c of the prompt, d = w) makes the prompt's gradient g
+# a closed form, so the step can be computed by hand. L = 4 classes and tokens, w = 6, 5 examples.
+L, W, B_LOCAL = 4, 6, 5
+LR, WD, SCALE = 0.1, 5e-4, 3.0
+
+
+def _local_setup(*, rank: int, epsilon: float, norm_thresh: float = C):
+    from types import SimpleNamespace
+
+    from raysim.data.client import ClientData
+
+    cls = get_method("dpfpl")
+    dp = DPConfig(epsilon=epsilon, sampling="shuffle")
+    train = TrainConfig(batch_size=B_LOCAL, num_clients=2, rounds=3, n_ctx=L, lr=LR, momentum=0.9, weight_decay=WD)
+    method = cls(train, cls.Options(dp_mode="reference", rank=rank, norm_thresh=norm_thresh), dp)
+    env = SimpleNamespace(ctx_width=W, device=torch.device("cpu"), logit_scale=SCALE,
+                          prompts=SimpleNamespace(text_features=lambda P: P))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(B_LOCAL, W, generator=g), torch.tensor([0, 1, 2, 3, 1])
+    data = ClientData(0, x, y, x, y, L)
+    shared = method.init_shared(env, torch.Generator().manual_seed(1))
+    private = method.init_private(env, data, torch.Generator().manual_seed(2))
+    return method, env, data, shared, private
+
+
+def _local_step(method, env, data, shared, private):
+    """One lock-step of client 0 (its whole batch: n = B) through the privacy host; (result, the step's rng)."""
+    host = HostPrivacy(dp=method.dp, method=method, seed=3, batch_size=B_LOCAL, releases_per_client=lambda cid: 3)
+    h = host.open(0, 0, data.num_train, {"global_ctx": shared["global_ctx"].clone()})
+    rng = torch.Generator().manual_seed(4)
+    start = rng.get_state()
+    res = method.local_train(env, shared, private, data, rng=rng, privacy=h)
+    h.close(res.upload)
+    return res, start
+
+
+def _prompt_grad(G, X, data):
+    """d mean CE / dP for logits s x P^T (P = G + X): s (softmax - onehot)^T x / B, by hand."""
+    logits = SCALE * data.x_train @ (G + X).t()
+    p = torch.softmax(logits, dim=1) - F.one_hot(data.y_train, L).float()
+    return SCALE * p.t() @ data.x_train / data.num_train
+
+
+def _X(private):
+    return private["U"] @ private["V"] + private["residual"]
+
+
+# float32 through Gram-Schmidt and a few 4 x 6 products: errors ~1e-6 of entries ~0.01-0.1
+TOL = dict(rtol=1e-4, atol=1e-6)
+
+
+def test_reference_local_step_at_full_rank_is_g_plus_twice_its_row_projection_over_10():
+    """r = L: U is square orthogonal (P_U = I) and V's rows span X's row space, so the code's gradient of X
+    is (g + 2 g P_X) / 10, P_X = X^T (X X^T)^-1 X, whatever the factorisation's randomness; no DP: nothing
+    clipped. The first SGD step (buffer = the step's gradient): X' = X - lr (grad + wd X). The old step
+    (U, V, S each stepped by their own gradients, S's being g itself) gives a different X'."""
+    method, env, data, shared, private = _local_setup(rank=L, epsilon=math.inf)
+    G, X = shared["global_ctx"], _X(private)
+    g = _prompt_grad(G, X, data)
+    P = X.t() @ torch.linalg.inv(X @ X.t()) @ X
+    want = X - LR * ((g + 2 * g @ P) / 10 + WD * X)
+    res, _ = _local_step(method, env, data, shared, private)
+    torch.testing.assert_close(_X(res.private), want, **TOL)
+    torch.testing.assert_close(res.upload["global_grad"], g, **TOL)  # no DP: G's plain gradient is uploaded
+
+
+def test_reference_local_step_clips_u_and_v_gradients_apart_and_never_s():
+    """DP on (epsilon 1e9: noise std sigma C/B ~ 1e-9, far under the tolerance), C below both norms: at r = L
+    gU = g V^T has the norm of g P_X and gV = U^T g the norm of g, so the code's step of X is
+    (2 c_U g P_X + c_V g) / 10 with c_U = C/|g P_X|, c_V = C/|g|; G's gradient is clipped as a whole to C.
+    The residual S gets no gradient (a clipped or unclipped g of its own would add to X's step)."""
+    method, env, data, shared, private = _local_setup(rank=L, epsilon=1e9)
+    G, X = shared["global_ctx"], _X(private)
+    g = _prompt_grad(G, X, data)
+    P = X.t() @ torch.linalg.inv(X @ X.t()) @ X
+    Cs = 0.5 * float((g @ P).norm())  # binds for both: |g P| <= |g|
+    assert float((g @ P).norm()) < 0.95 * float(g.norm())  # so c_U and c_V differ: swapping them would show
+    method, env, data, shared, private = _local_setup(rank=L, epsilon=1e9, norm_thresh=Cs)
+    cU, cV = Cs / float((g @ P).norm()), Cs / float(g.norm())
+    want = X - LR * ((2 * cU * g @ P + cV * g) / 10 + WD * X)
+    res, _ = _local_step(method, env, data, shared, private)
+    torch.testing.assert_close(_X(res.private), want, **TOL)
+    torch.testing.assert_close(res.upload["global_grad"], g * (Cs / float(g.norm())), **TOL)
+
+
+def test_reference_local_step_refactorises_at_rank_r_in_every_forward():
+    """r = 2 < L: the projections depend on this forward's draw V0. Re-drawing it from the step's
+    `refactorize` stream, the hand computation of the code's formula: gU = g V^T, gV = U^T g,
+    grad X = (gU V + U gV + U U^T gU V) / 10, and U, V are not the stored ones (those of the last
+    factorisation). The stored U, V hold this forward's factorisation and U V + residual = X'."""
+    from raysim.methods.fedsept.dpfpl import _round_tag, factorize
+    from raysim.sampling import generator
+
+    method, env, data, shared, private = _local_setup(rank=2, epsilon=math.inf)
+    G, X = shared["global_ctx"], _X(private)
+    res, start = _local_step(method, env, data, shared, private)
+    rng = torch.Generator()
+    rng.set_state(start)
+    U, V, _ = factorize(X, 2, generator(_round_tag(rng), "refactorize", 0))
+    assert not torch.allclose(U, private["U"], atol=1e-3)  # a fresh factorisation, not the stored one
+    g = _prompt_grad(G, X, data)
+    gU, gV = g @ V.t() / 10, U.t() @ g / 10
+    grad = gU @ V + U @ gV + U @ U.t() @ gU @ V
+    torch.testing.assert_close(_X(res.private), X - LR * (grad + WD * X), **TOL)
+    torch.testing.assert_close(res.private["U"], U, **TOL)
+    torch.testing.assert_close(res.private["V"], V, **TOL)
