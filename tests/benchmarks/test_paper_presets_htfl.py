@@ -195,8 +195,9 @@ VPDR_CODE_DATA = {"vpdr_digits": (0.1, "official"), "office_caltech10": (0.3, "o
 FEDTSP_CODE_PROMPTS = {"cifar10": (1, 1), "cifar100": (10, 20), "tiny_imagenet": (0, 0)}
 
 
-def code_setting(cfg) -> dict[str, object]:
-    """The setting the code behind the table ran a planned paper cell in (beyond its row and column)."""
+def table_setting(cfg) -> dict[str, object]:
+    """The setting of a planned paper cell beyond its row and column: the docs flag tables' (the paper's where it says,
+    else the code's: VPDR's kept fraction and augmentation, FedTSP's prompt settings per dataset)."""
     d = cfg.data.dataset
     if cfg.method.startswith("vpdr_"):
         fraction, augment = VPDR_CODE_DATA[d]
@@ -215,7 +216,7 @@ def code_setting(cfg) -> dict[str, object]:
 
 def missing_cells(path: Path) -> list[str]:
     """The cells of the paper table `path` is the preset of that its dry run does not plan (FedTSP's Table 1 without
-    DP, VPDR's tables at epsilon 1), and each planned paper cell whose setting is not the code's (code_setting)."""
+    DP, VPDR's tables at epsilon 1), and each planned paper cell whose setting is not the table's (table_setting)."""
     columns, rows = PAPER_TABLES[path.stem]
     fedtsp = path.stem.startswith("fedtsp")
     out = []
@@ -225,7 +226,7 @@ def missing_cells(path: Path) -> list[str]:
             out.append(f"{method} {opts or ''} at {col}, " + ("no DP" if fedtsp else "epsilon 1"))
         for c in hits:
             out += [f"{method} {opts or ''} at {col}: {k}={value(c, k)!r}, the code's {v!r}"
-                    for k, v in code_setting(c).items() if value(c, k) != v]
+                    for k, v in table_setting(c).items() if value(c, k) != v]
     return out
 
 
