@@ -24,7 +24,7 @@ the VPDR frameworks (`vpdr_*`: a frozen ViT with an adapter after every block) t
 
 F_k is the forward FLOPs of client k's model on one image: for the zoo CNNs counted by
 torch.utils.flop_counter.FlopCounterMode on the actual model (`make_client_model(arch_of(family, k), ...)`,
-random init, one dummy image at the dataset's size: no data, no weights); for the ViT backbones the standard
+built on the meta device, one dummy image at the dataset's size: no data, no weights); for the ViT backbones the standard
 transformer count 2 x (12 d^2 + 2 T d) per token per block (Kaplan et al. 2020, with d the width, 4d the MLP
 and T the tokens) plus the patch embedding, at 224x224 with 16x16 patches (ViT-S/16: d=384, 12 blocks, 9.2
 GFLOP, timm's 4.6 GMACs). Training is 3x the forward (forward + backward), also for the VPDR adapters: the
@@ -138,7 +138,8 @@ _CNN_CACHE: dict[tuple[str, int, int, int], float] = {}
 
 
 def cnn_forward_flops(arch: str, feature_dim: int, classes: int, image_size: int) -> float:
-    """Forward FLOPs of one image through the zoo model, counted on the actual (random) model."""
+    """Forward FLOPs of one image through the zoo model, counted on the actual model built on the meta device
+    (shapes only: no weights are initialised, no arithmetic is done; the count is the same as on real tensors)."""
     key = (arch, feature_dim, classes, image_size)
     if key not in _CNN_CACHE:
         import torch
@@ -146,10 +147,11 @@ def cnn_forward_flops(arch: str, feature_dim: int, classes: int, image_size: int
 
         from raysim.models.zoo import make_client_model
 
-        model = make_client_model(arch, feature_dim, classes, image_size=image_size).eval()
+        with torch.device("meta"):
+            model = make_client_model(arch, feature_dim, classes, image_size=image_size).eval()
         counter = FlopCounterMode(display=False)
         with torch.no_grad(), counter:
-            model(torch.zeros(1, 3, image_size, image_size))
+            model(torch.zeros(1, 3, image_size, image_size, device="meta"))
         _CNN_CACHE[key] = float(counter.get_total_flops())
     return _CNN_CACHE[key]
 

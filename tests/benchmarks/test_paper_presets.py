@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from paper_cells import assert_dry_run_lists_the_plan, cells, value  # tests/benchmarks/paper_cells.py
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = sorted((ROOT / "benchmarks" / "tables" / "paper").glob("fedsept_*.yaml"))  # FedTSP / VPDR: test_paper_presets_htfl.py
@@ -110,49 +111,29 @@ PAPER_TABLES: dict[str, tuple[list[dict], list[tuple[str, dict]]]] = {
 }
 
 
-def _get(cfg, key):
-    section, name = key.split(".")
-    return getattr(getattr(cfg, section), name)
-
-
 def missing_cells(path: Path) -> list[str]:
     """The (row, column) cells of the paper table `path` is the preset of that its dry run does not plan, and each
     planned paper cell whose setting is not the table's (clients, participation, the code's split and transform)."""
-    from raysim.config.checks import method_options
-    from raysim.tools.compare import plan, spec_from_args
-
-    spec, _ = spec_from_args([str(path)])
-    runs = [cfg for _, _, _, cfg in plan(spec, Path("/nonexistent/out"))]
     columns, rows = PAPER_TABLES[path.stem.removeprefix("fedsept_")]
     out = []
-    for col in columns:
-        for method, opts in rows:
-            hits = [c for c in runs if c.method == method and c.dp.enabled and c.dp.epsilon == 1.0
-                    and all(_get(c, k) == v for k, v in col.items())
-                    and all(getattr(method_options(c), k) == v for k, v in opts.items())]
-            if not hits:
-                out.append(f"{method} {opts or ''} at {col}, epsilon 1")
-            for c in hits:
-                d = c.data.dataset
-                want = ({"train.num_clients": 100, "train.participation": 0.1, "data.cifar_transform": "official"}
-                        if d.startswith("cifar") else
-                        {"train.num_clients": CODE_CLIENTS[d], "data.domain_reseed": True} if d in CODE_CLIENTS else
-                        {"train.num_clients": 10, "data.shots": 16})
-                want["train.optimizer_state"] = "fresh" if method == "fedpha" else "shared"  # the code's one SGD
-                out += [f"{method} at {col}: {k}={_get(c, k)!r}, the code's {v!r}" for k, v in want.items() if _get(c, k) != v]
+    for col, method, opts, hits in cells(path, columns, rows, where=lambda c: c.dp.enabled and c.dp.epsilon == 1.0):
+        if not hits:
+            out.append(f"{method} {opts or ''} at {col}, epsilon 1")
+        for c in hits:
+            d = c.data.dataset
+            want = ({"train.num_clients": 100, "train.participation": 0.1, "data.cifar_transform": "official"}
+                    if d.startswith("cifar") else
+                    {"train.num_clients": CODE_CLIENTS[d], "data.domain_reseed": True} if d in CODE_CLIENTS else
+                    {"train.num_clients": 10, "data.shots": 16})
+            want["train.optimizer_state"] = "fresh" if method == "fedpha" else "shared"  # the code's one SGD
+            out += [f"{method} at {col}: {k}={value(c, k)!r}, the code's {v!r}" for k, v in want.items() if value(c, k) != v]
     return out
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)
 def test_dry_run_lists_every_cell_of_the_paper_table(path, tmp_path, capsys, monkeypatch):
-    from raysim.tools.compare import main, plan, run_name, spec_from_args
-
     assert missing_cells(path) == []
-    monkeypatch.chdir(tmp_path)
-    assert main([str(path), "--dry-run", "--out", str(tmp_path / "out")]) == 0
-    listed = {line.split(": ", 1)[0] for line in capsys.readouterr().out.splitlines() if " [" in line}
-    spec, _ = spec_from_args([str(path)])
-    assert listed == {run_name(e, cell, cfg, spec) for cell, e, _, cfg in plan(spec, tmp_path / "out")}
+    assert_dry_run_lists_the_plan(path, tmp_path, capsys, monkeypatch)
 
 
 def test_a_missing_cell_fails(tmp_path):
