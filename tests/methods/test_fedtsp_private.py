@@ -47,9 +47,14 @@ def _round(method, env, host, cid: int = 0):
     data = ClientData(cid, x, y, x[:3], y[:3], 3)
     private = method.init_private(env, data, g)
     shared = method.init_shared(env, torch.Generator().manual_seed(0))
+    up = {}
+    if cid in method.setup_clients():  # Step 0, then round 0's training: each opened and closed as the engine does
+        handle = host.open(cid, 0, data.num_train, shared)
+        up.update(handle.close(method.local_setup(env, shared, private, data, rng=torch.Generator().manual_seed(1),
+                                                  privacy=handle).upload))
     handle = host.open(cid, 0, data.num_train, shared)
     res = method.local_train(env, shared, private, data, rng=torch.Generator().manual_seed(2), privacy=handle)
-    return handle.close(res.upload), res, data, private, shared
+    return {**up, **handle.close(res.upload)}, res, data, private, shared
 
 
 def _measured_embedding_std(method, env, released: torch.Tensor) -> tuple[float, int]:
@@ -121,7 +126,7 @@ def test_split_mode_calibrates_each_release_on_its_own_share():
     assert joint > 5 * z_e and z_p > joint
     # the ledger composes both shares: true (as Opacus computes it directly) and within dp.epsilon
     ledger = host.ledger(0)
-    assert [r.mechanism for r in ledger.releases] == ["igpp", "embedding"]
+    assert [r.mechanism for r in ledger.releases] == ["embedding", "igpp"]  # Step 0 first, then round 0's class means
     assert ledger.epsilon() == pytest.approx(epsilon_spent([(z_p, 1.0, 1), (z_e, 1.0, 1)], delta=DELTA), rel=1e-9)
     full = epsilon_spent([(z_p, 1.0, T), (z_e, 1.0, 1)], delta=DELTA)  # the whole run's
     assert full <= eps * (1 + 1e-6)
@@ -345,8 +350,9 @@ def test_text_from_client_without_dp_sends_the_clean_embedding_at_the_clean_end_
     x = torch.randn(12, 3, 32, 32, generator=torch.Generator().manual_seed(3))
     data = ClientData(0, x, torch.tensor([0, 1, 2] * 4), x[:3], torch.tensor([0, 1, 2]), 3)
     shared = method.init_shared(_server(method), g)
-    assert "text_protos" not in shared  # nothing until the dp client's release
-    up = method.local_train(env, shared, method.init_private(env, data, g), data, rng=g, privacy=NoDP()).upload
+    assert "text_protos" not in shared  # nothing until the dp client's release (Step 0)
+    assert method.setup_clients() == (0,)
+    up = method.local_setup(env, shared, method.init_private(env, data, g), data, rng=g, privacy=NoDP()).upload
     emb, ends = method.describe(env)
     assert torch.equal(up["text_emb"], emb) and torch.equal(up["text_ends"], ends)
     senv = _server(method)
