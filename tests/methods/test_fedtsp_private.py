@@ -362,3 +362,46 @@ def test_text_from_client_without_dp_sends_the_clean_embedding_at_the_clean_end_
     prompts = shared["prompts"]
     # the same float32 BERT on the same embeddings (cut to the longest prompt): rounding only
     assert torch.allclose(senv.text(prompts), penv.text(prompts), atol=1e-5, rtol=1e-4)
+
+
+def _step0_config(tmp_path, name: str, *, rounds: int = 2, dp: float = math.inf, **fedtsp):
+    from raysim.config.checks import build_config
+
+    return build_config({
+        "method": "fedtsp", "data": {"dataset": "digits", "partition": "dirichlet", "beta": 0.5, "shots": 4},
+        "model": {"name": "raysim-tiny", "pretrained": ""}, "train": {"num_clients": 2, "rounds": rounds},
+        "eval": {"every": 1, "last": 1}, "execution": {"backend": "inline"}, "dp": {"epsilon": dp, "delta": DELTA},
+        "output": {"out_dir": str(tmp_path / name), "progress": False, "tensorboard": False, "cache_dir": str(tmp_path / "c")},
+        "fedtsp": {"plm": "clip", "model_family": "tiny", **fedtsp},
+    })
+
+
+def test_with_a_clean_release_the_private_path_is_the_no_dp_run_round_by_round(tmp_path):
+    """#46: the private path's description release is FedTSP's Step 0, before round 0 trains, so with a clean
+    release (text_from_client: the dp client's embedding and end positions, unnoised) its run is the no-DP run:
+    round 0 already trains against P^T, and every round's P^T, prompts and accuracies are the no-DP ones. The
+    mechanism is then the only difference between the private rows and the no-DP row."""
+    import csv
+
+    from raysim.engine.loop import run
+    from raysim.storage.store import StateStore
+
+    plain = run(_step0_config(tmp_path, "nodp"))
+    client = run(_step0_config(tmp_path, "client", text_from_client=True))
+    a, b = StateStore(plain.out_dir), StateStore(client.out_dir)
+    for r in range(2):
+        sa, sb = a.load_server(r), b.load_server(r)
+        assert "text_release" in sb and "text_release" not in sa  # the paths did differ: the text came from a client
+        # the same float32 text tower on the same embeddings at the same positions: rounding only
+        for key in ("text_protos", "prompts", "logit_scale"):
+            assert torch.allclose(sa[key], sb[key], atol=1e-5, rtol=1e-4), (r, key)
+    rows = [list(csv.DictReader(open(res.out_dir / "client_results.csv"))) for res in (plain, client)]
+    assert len(rows[0]) == len(rows[1]) == 2 * 2
+    for x, y in zip(*rows):
+        assert (x["round"], x["client"]) == (y["round"], y["client"])
+        # P^T equal to rounding: a prediction flips only on a near-tie, so allow one test example per client
+        n = int(x["n_in"])
+        assert abs(float(x["in_client"]) - float(y["in_client"])) <= 1.0 / n + 1e-9, (x, y)
+    # the round-0 training used the text term in both: the losses match (without P^T round 0 is CE alone)
+    la, lb = ([float(r["train_loss"]) for r in csv.DictReader(open(res.out_dir / "results.csv"))] for res in (plain, client))
+    assert la == pytest.approx(lb, rel=1e-4)
