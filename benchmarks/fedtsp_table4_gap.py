@@ -36,7 +36,7 @@ def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
 
 
 def first_round_without_text() -> contextlib.AbstractContextManager:
-    """No alignment term in a client's first round, as the private variant before its release arrives."""
+    """No alignment term in a client's first round, as the private variant had before Step 0 (its release at the end of round 0)."""
     from raysim.methods.fedtsp.fedtsp import FedTSP
 
     orig = FedTSP.local_train

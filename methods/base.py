@@ -21,6 +21,13 @@ clients must upload *before* they train on the round's aggregate (VPDR's prototy
 sets `release_first = True`: per round each participant's `local_release` makes the upload from its
 current state, the server aggregates those, and only then does each participant's `local_train` run on
 the fresh broadcast, uploading nothing. Each half gets its own rng stream ("release" / "train").
+
+A method with a Step 0 (a release made once, before any training: FedTSP's description embedding) lists the
+clients that make it in `setup_clients()`: before round 0's training each of them runs `local_setup` (rng
+stream "setup"; its upload checked, privatised and accounted as any upload, in round 0's ledger), the server
+turns those uploads into round 0's broadcast with `aggregate_setup`, and round 0 then trains on it. It is part
+of round 0: a run resumed before round 0 completed makes it again, from the same streams (the same release);
+one resumed after it does not.
 """
 
 from __future__ import annotations
@@ -261,6 +268,14 @@ class Method:
     ) -> "dict[str, Tensor] | ServerResult":
         raise NotImplementedError
 
+    def aggregate_setup(self, env: Any, shared: dict[str, Tensor], uploads: list[Upload], rng: torch.Generator) -> dict[str, Tensor]:
+        """Step 0's server half: the state round 0 starts from, given the `local_setup` uploads (client-id order)."""
+        raise NotImplementedError(f"{self.name} has no Step 0 (setup_clients() is empty)")
+
+    def setup_clients(self) -> tuple[int, ...]:
+        """The clients that make a Step 0 release (`local_setup`) before round 0's training; () (the default): none."""
+        return ()
+
     # -- client half -------------------------------------------------------------------------
     def init_private(self, env: Any, data: ClientData, rng: torch.Generator) -> dict[str, Any]:
         return {}
@@ -290,6 +305,20 @@ class Method:
         """A `release_first` method's upload for this round, made from the client's current state before
         it trains (its `upload` is what the server aggregates; `local_train` then returns an empty one)."""
         raise NotImplementedError(f"{self.name} does not release first (release_first is False)")
+
+    def local_setup(
+        self,
+        env: Any,
+        shared: dict[str, Tensor],
+        private: dict[str, Any],
+        data: ClientData,
+        *,
+        rng: torch.Generator,
+        privacy: PrivacyHandle,
+    ) -> LocalResult:
+        """Step 0's client half, once, before round 0 trains (a client of `setup_clients()`): its upload is what
+        `aggregate_setup` receives."""
+        raise NotImplementedError(f"{self.name} has no Step 0 (setup_clients() is empty)")
 
     def predictor(self, env: Any, shared: dict[str, Tensor], private: dict[str, Any], data: Optional[ClientData] = None) -> Predictor:
         """A function from inputs to logits over all classes, with whatever can be cached prepared.

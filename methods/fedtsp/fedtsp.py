@@ -27,11 +27,12 @@ class order) by post-processing. Where each sequence ends (`dp_positions`):
   noised  (the default of split and joint) nothing but the release: each end position is the position
           whose noised embedding is nearest the public end token's embedding (post-processing; at Eq. 11's
           sigma this is a random position), and BERT reads all T positions; any descriptions are neighbours.
-The server env is built from the class *count* only: no class name, description or token id reaches it. Until
-the release arrives (the end of the first round the dp client takes part in) P^T does not exist and
-clients train with CE alone (the paper's Step 0 precedes training; raysim has no round before round 0, so
-the private path's first round has no alignment term: `text_from_client=true` runs that path without DP,
-the clean embedding at the clean end positions, which is the like-for-like no-noise row of Table 4). How the budget is spent (`dp_budget`):
+The server env is built from the class *count* only: no class name, description or token id reaches it. The
+release is the method's Step 0 (`setup_clients`: the engine runs it before round 0 trains, in round 0's
+ledger): the dp client's `local_setup` releases the embedding, the server's `aggregate_setup` builds the text
+side from it and forms P^T from its initial prompts, so round 0's clients train with the alignment term, as
+without DP (`text_from_client=true` runs that path without DP, the clean embedding at the clean end
+positions: the like-for-like no-noise row of Table 4). How the budget is spent (`dp_budget`):
   split  (default) the embedding gets dp_share_embedding x dp.epsilon for its one release and every
          client's class means (a `prototype` release, dp.prototypes, clip dp.proto_clip) get
          dp_share_prototypes x dp.epsilon over their T releases, each calibrated on its own compositions
@@ -286,6 +287,18 @@ class FedTSP(HeteroMethod):
     def text_prototypes(self, env: TSPEnv, prompts: Tensor) -> Tensor:
         return env.text(prompts.to(env.device)).cpu()
 
+    def setup_clients(self) -> tuple[int, ...]:
+        """Step 0 on a client: the dp client releases the description embedding before round 0 trains."""
+        return (self.opts.dp_client,) if self.from_client else ()
+
+    def aggregate_setup(self, env: TSPEnv, shared, uploads, rng):
+        """Step 0's server half: the text side from the release, and P^T from the initial prompts (as
+        `init_shared` forms it without DP), broadcast to round 0."""
+        state = self.receive_release(env, shared, uploads)
+        if env.text is not None:
+            state["text_protos"] = self.text_prototypes(env, state["prompts"])
+        return state
+
     def aggregate(self, env: TSPEnv, shared, uploads, rng):
         state = self.receive_release(env, shared, uploads)
         protos, counts = stack_uploads(uploads)
@@ -353,12 +366,16 @@ class FedTSP(HeteroMethod):
         clean_means = self.releases["protos"].kind == "public"
         upload = self.release_prototypes(env, model, data, NoDP() if clean_means else privacy)
         private = {**private, "model": snapshot(model), "rounds": int(private.get("rounds", 0)) + 1}
-        if self.from_client and data.client_id == self.opts.dp_client and "text_protos" not in shared:
-            emb, ends = self.describe(env)
-            upload["text_emb"] = privacy.release("text_emb", emb, clip=self.opts.dp_clip, unclipped=self.opts.dp_budget == "code")
-            if self.opts.positions == "tokens":
-                upload["text_ends"] = ends
         return LocalResult(upload=upload, private=private, num_samples=data.num_train, metrics={"loss": loss})
+
+    def local_setup(self, env: TSPEnv, shared, private, data: ClientData, *, rng, privacy) -> LocalResult:
+        """Step 0 on the dp client (fedtsp.txt 3.5): the description embedding, released once (and, under
+        dp_positions=tokens, its sequences' end positions, public)."""
+        emb, ends = self.describe(env)
+        upload = {"text_emb": privacy.release("text_emb", emb, clip=self.opts.dp_clip, unclipped=self.opts.dp_budget == "code")}
+        if self.opts.positions == "tokens":
+            upload["text_ends"] = ends
+        return LocalResult(upload=upload, private=private, num_samples=data.num_train)
 
     def embed_descriptions(self, env: TSPEnv) -> Tensor:
         """The dp client's Step 0 (fedtsp.txt 3.5): E = g_0(prompts), every class with the same number of

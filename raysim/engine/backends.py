@@ -14,6 +14,10 @@ For a method with `release_first` (SPEC 3.4) `train_round` has two phases: every
 broadcast state, the server's aggregation of those uploads, then every host's `train` on the new
 broadcast (whose uploads are empty and not aggregated). The clients whose release failed (dropped) do
 not train. Reports carry the training's loss and metrics and the release's bytes_up.
+
+For a method with a Step 0 (`Method.setup_clients`) the loop calls `setup(0, clients)` before round 0's
+`train_round`: those clients' hosts' `setup`, then the server's `setup` of their uploads, whose broadcast
+round 0 trains on. It belongs to round 0 (a Ray actor lost in round 0 is replaced and Step 0 replayed for it).
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ class Backend(Protocol):
 
     def __init__(self, cfg: RunConfig, data: FederationData, out_dir: str, resume_round: int) -> None:
         """Build the server host and the client hosts, resuming from `resume_round` (-1: a new run)."""
+
+    def setup(self, round_idx: int, clients: list[int]) -> tuple[list[ClientReport], dict[str, Any]]:
+        """Step 0 before round `round_idx` (0) trains: `clients`' `local_setup`, then the server's `aggregate_setup`
+        of their uploads: (reports in client order, server stats)."""
 
     def train_round(self, round_idx: int, participants: list[int]) -> tuple[list[ClientReport], dict[str, Any]]:
         """Train the round's participants and aggregate their uploads: (reports in client order, server stats)."""
@@ -80,6 +88,19 @@ class InlineBackend:
             got = getattr(self.hosts[i], name)(*calls[i])
             out[i] = tuple(got) if returns > 1 else (got,)
         return out
+
+    def setup(self, round_idx: int, clients: list[int]) -> tuple[list[ClientReport], dict[str, Any]]:
+        shared = self.server.get_shared()
+        upload_lists, reports = [], []
+        for host, group in zip(self.hosts, self.groups):
+            mine = [c for c in group if c in set(clients)]
+            if mine:
+                ups, reps = host.setup(round_idx, mine, shared)
+                upload_lists.append(ups)
+                reports += reps
+        check_round(self.cfg, round_idx, reports)
+        stats, _ = self.server.setup(round_idx, *upload_lists)
+        return sorted(reports, key=lambda r: r.client_id), stats
 
     def train_round(self, round_idx: int, participants: list[int]) -> tuple[list[ClientReport], dict[str, Any]]:
         shared = self.server.get_shared()
@@ -223,8 +244,25 @@ class RayBackend:
         return out
 
     # -- the three calls of a round --------------------------------------------------------------
-    def train_round(self, round_idx: int, participants: list[int]) -> tuple[list[ClientReport], dict[str, Any]]:
+    def setup(self, round_idx: int, clients: list[int]) -> tuple[list[ClientReport], dict[str, Any]]:
         self._round = {"round": round_idx, "done": []}
+        chosen = set(clients)
+        mine = {i: [c for c in g if c in chosen] for i, g in enumerate(self.groups)}
+        mine = {i: m for i, m in mine.items() if m}
+        reports, upload_refs = self._phase("setup", round_idx, mine, self._shared_ref(aggregated=False))
+        flat = sorted((r for i in sorted(reports) for r in reports[i]), key=lambda r: r.client_id)
+        check_round(self.cfg, round_idx, flat)
+        self._round["setup"] = [upload_refs[i] for i in sorted(upload_refs)]
+
+        def call():
+            stats, self._shared = self.server.setup.options(num_returns=2).remote(round_idx, *self._round["setup"])
+            return stats
+
+        return flat, self._server_call(call, aggregated=False)
+
+    def train_round(self, round_idx: int, participants: list[int]) -> tuple[list[ClientReport], dict[str, Any]]:
+        if self._round.get("round") != round_idx:  # else Step 0 (`setup`) began this round
+            self._round = {"round": round_idx, "done": []}
         shared_ref = self._shared_ref(aggregated=False)
         if self.stacked:
             stacked_uploads, flat = stacked_round(round_idx, participants, self.cfg.execution.stack_size, self.home,
@@ -251,7 +289,7 @@ class RayBackend:
         return flat, stats
 
     def _phase(self, phase: str, round_idx: int, mine: dict[int, list[int]], shared_ref: Any) -> tuple[dict[int, Any], dict[int, Any]]:
-        """One `phase` call ("train" or "release") per host with its clients: (reports, upload refs) by host."""
+        """One `phase` call ("train", "release" or "setup") per host with its clients: (reports, upload refs) by host."""
         refs = self._calls(phase, {i: (round_idx, mine[i], shared_ref) for i in mine}, 2)
         return {i: self.ray.get(refs[i][1]) for i in refs}, {i: refs[i][0] for i in refs}
 
@@ -296,6 +334,8 @@ class RayBackend:
             self._dead("the server actor", e)
             self.server = self._new_server(self._round["round"] - 1)
             self._shared = None  # asked of the new server (what the lost one answered may be lost with its node)
+            if "setup" in self._round and (aggregated or "uploads" in self._round):  # Step 0 of round 0, made again
+                self.ray.get(self.server.setup.options(num_returns=2).remote(self._round["round"], *self._round["setup"])[0])
             if aggregated:
                 self.ray.get(self.server.aggregate.remote(self._round["round"], *self._round["uploads"]))
             return self._server_call(call, aggregated=aggregated)

@@ -10,7 +10,7 @@ any of the policy:
 - `ClientOutcome`: what became of one client's local step: ok, failed (it raised), timed_out (it ran past
   client_timeout) or non_finite (its upload holds a nan or an inf). `attempt` runs a step and judges it;
   `judge` judges a result computed elsewhere (a stack).
-- `ClientRound`: one phase ("train" or "release") of a round on one host. It settles each client's outcome
+- `ClientRound`: one phase ("train", "release", or Step 0's "setup") of a round on one host. It settles each client's outcome
   in id order: an ok client's upload is checked, privatised and accounted (`privacy.close`) and its new
   private state kept; a failed client sends nothing and gets a dropped report; under drop what the round
   changed of it is put back (`save` / `put_back`), under fail the host stops at it (the run stops anyway).
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Phase = Literal["train", "release"]
+Phase = Literal["train", "release", "setup"]  # setup: Step 0 (Method.setup_clients), before round 0 trains
 Status = Literal["ok", "failed", "timed_out", "non_finite"]
 
 

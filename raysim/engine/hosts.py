@@ -272,7 +272,7 @@ class ClientHost:
     def local_step(self, phase: Phase, round_idx: int, shared: dict[str, torch.Tensor]) -> Any:
         """The client-by-client step of `phase` for a ClientRound: step(cid, privacy) -> the method's LocalResult,
         drawing from its own stream, generator(seed, phase, round, client)."""
-        step = self.method.local_release if phase == "release" else self.method.local_train
+        step = {"release": self.method.local_release, "setup": self.method.local_setup}.get(phase, self.method.local_train)
 
         def one(cid: int, privacy: Any) -> Any:
             return step(self.env, shared, self.private_state(cid), self.round_data(cid, round_idx),
@@ -305,6 +305,15 @@ class ClientHost:
             raise RaysimError(f"{self.method.name} does not release first (release_first is False): its uploads come from train")
         shared = {k: v.to(self.device) for k, v in shared.items()}
         got = self._each_client(round_idx, client_ids, shared, phase="release")
+        self.commit(round_idx)
+        return got
+
+    def setup(self, round_idx: int, client_ids: list[int], shared: dict[str, torch.Tensor]) -> tuple[list[Upload], list[ClientReport]]:
+        """Step 0 (Method.setup_clients), before round `round_idx` (0) trains: each of `client_ids` runs
+        `local_setup` (rng stream "setup"), its upload checked, privatised and accounted in that round's ledger like
+        any upload; the server's `setup` turns these into the broadcast the round trains on. Failures as in `train`."""
+        shared = {k: v.to(self.device) for k, v in shared.items()}
+        got = self._each_client(round_idx, client_ids, shared, phase="setup")
         self.commit(round_idx)
         return got
 
@@ -411,6 +420,7 @@ class ServerHost:
         spec = env_spec(cfg, server_classnames(self.method, classnames))
         self.env = self.method.build_env(spec, role="server")
         self.store = StateStore(out_dir)
+        self.setup_uploads: list[Upload] = []  # Step 0's uploads, until round 0's aggregate records them
         saved = self.store.load_server(resume_round) if resume_round >= 0 else None
         if saved is not None:
             self.state = saved
@@ -431,6 +441,21 @@ class ServerHost:
         self.commit(round_idx)
         return stats
 
+    def setup(self, round_idx: int, *upload_lists: list[Upload]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Step 0's server half (Method.aggregate_setup) on the hosts' `setup` uploads, before round `round_idx` (0)
+        trains: (its stats, the new broadcast state). Not written by itself: round 0's `aggregate` writes the state,
+        so a run stopped before round 0 completed makes Step 0 again. Under output.record_uploads the Step 0
+        uploads are recorded with round 0's."""
+        uploads = sorted((u for lst in upload_lists for u in lst), key=lambda u: u.client_id)
+        for u in uploads:
+            check_upload(self.method, u.client_id, u.tensors)
+        down = sum(t.numel() * t.element_size() for t in self.get_shared().values()) * len(uploads)
+        self.setup_uploads = uploads
+        if uploads:
+            new = self.method.aggregate_setup(self.env, self.state, uploads, generator(self.cfg.train.seed, "server-setup", round_idx))
+            self.state = {k: v.detach().cpu() for k, v in new.items()}
+        return {"bytes_up": sum(u.nbytes() for u in uploads), "bytes_down": down, "server_metrics": {}}, self.get_shared()
+
     def aggregate_and_share(self, round_idx: int, *upload_lists: list[Upload]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """`aggregate`, and the new broadcast state (what `get_shared` would answer next): the Ray backend keeps
         it in the object store for the next round's hosts, one server call a round less."""
@@ -442,12 +467,16 @@ class ServerHost:
             check_upload(self.method, u.client_id, u.tensors)
         pre = self.get_shared()
         down = sum(t.numel() * t.element_size() for t in pre.values()) * len(uploads)
-        if self.cfg.output.record_uploads:  # the attacker's view: only checked, declared tensors
+        if self.cfg.output.record_uploads:  # the attacker's view: only checked, declared tensors (Step 0's with round 0's)
+            seen: dict[int, dict[str, torch.Tensor]] = {}
+            for u in [*self.setup_uploads, *uploads]:
+                seen.setdefault(u.client_id, {}).update(u.tensors)
             self.store.save_uploads(round_idx, {
                 "pre": pre,
-                "uploads": {u.client_id: dict(u.tensors) for u in uploads},
-                "num_samples": {u.client_id: u.num_samples for u in uploads},
+                "uploads": seen,
+                "num_samples": {u.client_id: u.num_samples for u in [*self.setup_uploads, *uploads]},
             })
+        self.setup_uploads = []
         metrics: dict[str, float] = {}
         if uploads:
             new = self.method.aggregate(self.env, self.state, uploads, generator(self.cfg.train.seed, "server", round_idx))

@@ -143,7 +143,8 @@ def _run(cfg: RunConfig, out_dir: Path, done: int, on_round: Optional[Callable[[
     bar = _progress_bar(cfg, done)
     try:
         for r in range(done + 1, cfg.train.rounds):
-            row, client_rows = _one_round(cfg, backend, r, evaluate=r in evals, extra=extra, substeps=substeps)
+            row, client_rows = _one_round(cfg, backend, r, evaluate=r in evals, extra=extra, substeps=substeps,
+                                          setup=method.setup_clients() if r == 0 else ())
             logger.log_round(row, client_rows)
             store.mark_complete(r)
             rows.append(row)
@@ -240,11 +241,17 @@ def _progress_bar(cfg: RunConfig, done: int) -> Any:
 
 
 def _one_round(
-    cfg: RunConfig, backend: Any, r: int, *, evaluate: bool, extra: tuple[str, ...], substeps: int = 0
+    cfg: RunConfig, backend: Any, r: int, *, evaluate: bool, extra: tuple[str, ...], substeps: int = 0,
+    setup: tuple[int, ...] = ()
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Train, aggregate, (evaluate,) commit round r; its results.csv row and client_results.csv rows."""
+    """(Step 0 of the `setup` clients,) train, aggregate, (evaluate,) commit round r; its results.csv row and
+    client_results.csv rows. Step 0's bytes count in round r's (0's) bytes_up and bytes_down."""
     t0 = time.perf_counter()
     part = participants(cfg.train.seed, r, cfg.train.num_clients, cfg.train.participation)
+    pre: dict[str, Any] = {"bytes_up": 0, "bytes_down": 0}
+    setup_reports: list[Any] = []
+    if setup:  # Step 0 (Method.setup_clients): released, and aggregated into the broadcast round 0 trains on
+        setup_reports, pre = backend.setup(r, sorted(setup))
     if substeps > 0:  # a lock-step round: the participants step together, the server aggregating each step
         reports, stats = lockstep_round(backend, r, part, substeps)
     else:
@@ -262,15 +269,16 @@ def _one_round(
         hm = harmonic_mean(acc_in, acc_cross)
     backend.commit(r)
     losses = [x.loss for x in reports if math.isfinite(x.loss)]
-    eps = [x.epsilon for x in reports]
+    trained = {x.client_id for x in reports}  # a Step 0 client that does not train in round 0 still spent its release
+    eps = [x.epsilon for x in reports] + [x.epsilon for x in setup_reports if x.client_id not in trained]
     row = {
         "round": r,
         "in_client": acc_in,
         "cross_client": acc_cross,
         "hm": hm,
         "train_loss": float(np.mean(losses)) if losses else math.nan,
-        "bytes_up": int(stats["bytes_up"]),
-        "bytes_down": int(stats["bytes_down"]),
+        "bytes_up": int(stats["bytes_up"]) + int(pre["bytes_up"]),
+        "bytes_down": int(stats["bytes_down"]) + int(pre["bytes_down"]),
         "epsilon_max": float(max(eps)) if eps and all(math.isfinite(e) for e in eps) else math.nan,
         "participants": len(part),
         "dropped": len(dropped),

@@ -53,7 +53,7 @@ def test_tune_reserves_the_hosts_the_backend_plans():
 def test_both_backends_implement_the_protocol():
     from raysim.engine.backends import BACKENDS, Backend
 
-    members = ("train_round", "evaluate", "commit", "shutdown")
+    members = ("setup", "train_round", "evaluate", "commit", "shutdown")
     assert all(callable(getattr(Backend, m)) for m in members)
     for name, cls in BACKENDS.items():
         assert cls.name == name and all(callable(getattr(cls, m, None)) for m in members)

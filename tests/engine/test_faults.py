@@ -12,7 +12,7 @@ from conftest import tiny_config
 
 def _rounds(cfg, kill=None):
     """The engine's round loop on a RayBackend, with `kill(backend, round, stage)` between the calls
-    (stages "trained" and "committed"), and inside train_round after each of its phases has answered on
+    (stages "setup" after a Step 0, "trained" and "committed"), and inside train_round after each of its phases has answered on
     every host ("release" and "train" for a release_first method; "train" otherwise).
     Returns what the driver saw and every client's final private state."""
     from raysim.config.checks import make_method
@@ -33,8 +33,13 @@ def _rounds(cfg, kill=None):
 
         b._phase = hooked
     seen = []
+    setup = make_method(cfg).setup_clients()  # a Step 0 before round 0, as the loop runs it
     try:
         for r in range(cfg.train.rounds):
+            if r == 0 and setup:
+                b.setup(r, sorted(setup))
+                if kill:
+                    kill(b, r, "setup")
             reports, stats = b.train_round(r, participants(cfg.train.seed, r, cfg.train.num_clients, cfg.train.participation))
             if kill:
                 kill(b, r, "trained")

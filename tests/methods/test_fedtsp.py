@@ -211,39 +211,49 @@ def test_private_release_path_server_never_sees_class_names():
     y = torch.tensor([0, 1, 2] * 4)
     data = ClientData(0, x, y, x[:3], y[:3], 3)
     private = method.init_private(client_env, data, g)
+    assert method.setup_clients() == (0,)  # Step 0: the dp client releases before round 0 trains
     handle = host.open(0, 0, data.num_train, shared)
-    res = method.local_train(client_env, shared, private, data, rng=g, privacy=handle)
-    up = handle.close(res.upload)
-    assert set(up) == {"protos", "counts", "text_emb"}  # no lengths, EOT positions or class indices
+    up = handle.close(method.local_setup(client_env, shared, private, data, rng=g, privacy=handle).upload)
+    assert set(up) == {"text_emb"}  # no lengths, EOT positions or class indices
     # 3 descriptions per class, every sequence at the fixed release length (77 for BERT)
     assert up["text_emb"].shape[:2] == (9, 77)
     ledger = host.ledger(0)
-    assert [r.mechanism for r in ledger.releases] == ["igpp", "embedding"]
+    assert [r.mechanism for r in ledger.releases] == ["embedding"]
     z = host.multiplier(0, data.num_train)
+    # the noise on the embeddings is N(0, (2 C z)^2): the clipped signal (norm <= C = 2.5) is tiny next to it
+    assert float(up["text_emb"].std()) == pytest.approx(2 * 2.5 * z, rel=0.02)
+    # the server builds its text side from the release alone and P^T from its initial prompts: round 0 has P^T
+    start = method.aggregate_setup(server_env, shared, [Upload(0, up, 12)], torch.Generator().manual_seed(1))
+    assert server_env.text is not None and start["text_protos"].shape == (3, 384)
+    assert torch.equal(start["prompts"], shared["prompts"]) and "text_release" in method.server_only
+    # round 0: the client trains against P^T and does not release again
+    broadcast = {k: v for k, v in start.items() if k not in method.server_only}
+    handle = host.open(0, 0, data.num_train, broadcast)
+    res = method.local_train(client_env, broadcast, private, data, rng=g, privacy=handle)
+    up0 = handle.close(res.upload)
+    assert set(up0) == {"protos", "counts"}
+    assert [r.mechanism for r in ledger.releases] == ["embedding", "igpp"]
     # the client's whole run: 1 embedding release + 3 prototype releases at the common multiplier z;
     # after round 0 it has spent 2 of those 4 compositions, as Opacus computes it directly
     assert ledger.epsilon() == pytest.approx(epsilon_spent([(z, 1.0, 2)], delta=1e-5, accountant="rdp"), rel=1e-9)
     assert epsilon_spent([(z, 1.0, 4)], delta=1e-5) == pytest.approx(2.0, abs=0.011)  # calibrated to the target
-    # the noise on the embeddings is N(0, (2 C z)^2): the clipped signal (norm <= C = 2.5) is tiny next to it
-    assert float(up["text_emb"].std()) == pytest.approx(2 * 2.5 * z, rel=0.02)
     # a client that is not the selected one releases no text
     other = ClientData(1, x, y, x[:3], y[:3], 3)
-    h1 = host.open(1, 0, other.num_train, shared)
-    up1 = h1.close(method.local_train(client_env, shared, method.init_private(client_env, other, g), other, rng=g,
+    assert 1 not in method.setup_clients()
+    h1 = host.open(1, 0, other.num_train, broadcast)
+    up1 = h1.close(method.local_train(client_env, broadcast, method.init_private(client_env, other, g), other, rng=g,
                                       privacy=h1).upload)
     assert set(up1) == {"protos", "counts"}
-    # the server builds its text side from the release alone, trains, and keeps the release server-side
-    uploads = [Upload(0, up, 12), Upload(1, up1, 12)]
-    new = method.aggregate(server_env, shared, uploads, torch.Generator().manual_seed(1))
-    assert server_env.text is not None and new.state["text_protos"].shape == (3, 384)
+    # the server trains its prompts on the class means, and keeps the release server-side
+    new = method.aggregate(server_env, start, [Upload(0, up0, 12), Upload(1, up1, 12)], torch.Generator().manual_seed(1))
     assert math.isfinite(new.metrics["loss"]) and not torch.equal(new.state["prompts"], shared["prompts"])
-    assert "text_release" in method.server_only
-    # the next round: the client trains against P^T and does not release again
+    assert torch.equal(new.state["text_release"], start["text_release"])
+    # the next round: no release again
     broadcast = {k: v for k, v in new.state.items() if k not in method.server_only}
     h2 = host.open(0, 1, data.num_train, broadcast)
     up2 = h2.close(method.local_train(client_env, broadcast, res.private, data, rng=g, privacy=h2).upload)
     assert set(up2) == {"protos", "counts"}
-    assert [r.mechanism for r in ledger.releases] == ["igpp", "embedding", "igpp"]
+    assert [r.mechanism for r in ledger.releases] == ["embedding", "igpp", "igpp"]
 
 
 def test_private_variant_end_to_end_shows_its_epsilon(tmp_path):

@@ -47,9 +47,14 @@ def _round(method, env, host, cid: int = 0):
     data = ClientData(cid, x, y, x[:3], y[:3], 3)
     private = method.init_private(env, data, g)
     shared = method.init_shared(env, torch.Generator().manual_seed(0))
+    up = {}
+    if cid in method.setup_clients():  # Step 0, then round 0's training: each opened and closed as the engine does
+        handle = host.open(cid, 0, data.num_train, shared)
+        up.update(handle.close(method.local_setup(env, shared, private, data, rng=torch.Generator().manual_seed(1),
+                                                  privacy=handle).upload))
     handle = host.open(cid, 0, data.num_train, shared)
     res = method.local_train(env, shared, private, data, rng=torch.Generator().manual_seed(2), privacy=handle)
-    return handle.close(res.upload), res, data, private, shared
+    return {**up, **handle.close(res.upload)}, res, data, private, shared
 
 
 def _measured_embedding_std(method, env, released: torch.Tensor) -> tuple[float, int]:
@@ -121,7 +126,7 @@ def test_split_mode_calibrates_each_release_on_its_own_share():
     assert joint > 5 * z_e and z_p > joint
     # the ledger composes both shares: true (as Opacus computes it directly) and within dp.epsilon
     ledger = host.ledger(0)
-    assert [r.mechanism for r in ledger.releases] == ["igpp", "embedding"]
+    assert [r.mechanism for r in ledger.releases] == ["embedding", "igpp"]  # Step 0 first, then round 0's class means
     assert ledger.epsilon() == pytest.approx(epsilon_spent([(z_p, 1.0, 1), (z_e, 1.0, 1)], delta=DELTA), rel=1e-9)
     full = epsilon_spent([(z_p, 1.0, T), (z_e, 1.0, 1)], delta=DELTA)  # the whole run's
     assert full <= eps * (1 + 1e-6)
@@ -345,8 +350,9 @@ def test_text_from_client_without_dp_sends_the_clean_embedding_at_the_clean_end_
     x = torch.randn(12, 3, 32, 32, generator=torch.Generator().manual_seed(3))
     data = ClientData(0, x, torch.tensor([0, 1, 2] * 4), x[:3], torch.tensor([0, 1, 2]), 3)
     shared = method.init_shared(_server(method), g)
-    assert "text_protos" not in shared  # nothing until the dp client's release
-    up = method.local_train(env, shared, method.init_private(env, data, g), data, rng=g, privacy=NoDP()).upload
+    assert "text_protos" not in shared  # nothing until the dp client's release (Step 0)
+    assert method.setup_clients() == (0,)
+    up = method.local_setup(env, shared, method.init_private(env, data, g), data, rng=g, privacy=NoDP()).upload
     emb, ends = method.describe(env)
     assert torch.equal(up["text_emb"], emb) and torch.equal(up["text_ends"], ends)
     senv = _server(method)
@@ -356,3 +362,46 @@ def test_text_from_client_without_dp_sends_the_clean_embedding_at_the_clean_end_
     prompts = shared["prompts"]
     # the same float32 BERT on the same embeddings (cut to the longest prompt): rounding only
     assert torch.allclose(senv.text(prompts), penv.text(prompts), atol=1e-5, rtol=1e-4)
+
+
+def _step0_config(tmp_path, name: str, *, rounds: int = 2, dp: float = math.inf, **fedtsp):
+    from raysim.config.checks import build_config
+
+    return build_config({
+        "method": "fedtsp", "data": {"dataset": "digits", "partition": "dirichlet", "beta": 0.5, "shots": 4},
+        "model": {"name": "raysim-tiny", "pretrained": ""}, "train": {"num_clients": 2, "rounds": rounds},
+        "eval": {"every": 1, "last": 1}, "execution": {"backend": "inline"}, "dp": {"epsilon": dp, "delta": DELTA},
+        "output": {"out_dir": str(tmp_path / name), "progress": False, "tensorboard": False, "cache_dir": str(tmp_path / "c")},
+        "fedtsp": {"plm": "clip", "model_family": "tiny", **fedtsp},
+    })
+
+
+def test_with_a_clean_release_the_private_path_is_the_no_dp_run_round_by_round(tmp_path):
+    """#46: the private path's description release is FedTSP's Step 0, before round 0 trains, so with a clean
+    release (text_from_client: the dp client's embedding and end positions, unnoised) its run is the no-DP run:
+    round 0 already trains against P^T, and every round's P^T, prompts and accuracies are the no-DP ones. The
+    mechanism is then the only difference between the private rows and the no-DP row."""
+    import csv
+
+    from raysim.engine.loop import run
+    from raysim.storage.store import StateStore
+
+    plain = run(_step0_config(tmp_path, "nodp"))
+    client = run(_step0_config(tmp_path, "client", text_from_client=True))
+    a, b = StateStore(plain.out_dir), StateStore(client.out_dir)
+    for r in range(2):
+        sa, sb = a.load_server(r), b.load_server(r)
+        assert "text_release" in sb and "text_release" not in sa  # the paths did differ: the text came from a client
+        # the same float32 text tower on the same embeddings at the same positions: rounding only
+        for key in ("text_protos", "prompts", "logit_scale"):
+            assert torch.allclose(sa[key], sb[key], atol=1e-5, rtol=1e-4), (r, key)
+    rows = [list(csv.DictReader(open(res.out_dir / "client_results.csv"))) for res in (plain, client)]
+    assert len(rows[0]) == len(rows[1]) == 2 * 2
+    for x, y in zip(*rows):
+        assert (x["round"], x["client"]) == (y["round"], y["client"])
+        # P^T equal to rounding: a prediction flips only on a near-tie, so allow one test example per client
+        n = int(x["n_in"])
+        assert abs(float(x["in_client"]) - float(y["in_client"])) <= 1.0 / n + 1e-9, (x, y)
+    # the round-0 training used the text term in both: the losses match (without P^T round 0 is CE alone)
+    la, lb = ([float(r["train_loss"]) for r in csv.DictReader(open(res.out_dir / "results.csv"))] for res in (plain, client))
+    assert la == pytest.approx(lb, rel=1e-4)
