@@ -209,7 +209,9 @@ def check_marked(marked: Marked, root: Path) -> list[str]:
         rec_row = rec_rows[first] if first < len(rec_rows) else "(no row)"
         problems.append(f"{where}: the table differs from {marked.result} at its row {first + 1}: the docs have "
                         f"{shown(doc_row)}, the result file {shown(rec_row)}; paste the recorded table (Recorded.rendered)")
-    today = today_plan(compare_argv(rec.command))
+    # the command's spec is named from the repository root, wherever the check runs from
+    argv = [str(root / a) if a.endswith((".yaml", ".yml")) and not Path(a).is_absolute() else a for a in compare_argv(rec.command)]
+    today = today_plan(argv)
     if plan_digest(today) != rec.plan_digest:
         changes = plan_changes(unpack_plan(rec.plan), today)
         problems.append(f"{where}: today's plan of `{rec.command}` is not the one {marked.result} was measured on "
