@@ -4,6 +4,8 @@ Every module under this package that defines a method registers its class on imp
 `discover()` imports them all, so a new method is one new file: nothing here lists them by hand.
 """
 
+from typing import Any
+
 from raysim.methods.base import (
     METHODS,
     ClientData,
@@ -33,6 +35,19 @@ def method_names() -> list[str]:
     return METHODS.names()
 
 
+def method_options(cfg: Any, name: str | None = None) -> Any:
+    """The resolved Options dataclass of method `name` (default: the run's method) in the RunConfig `cfg`: its
+    section built and checked against the method's own Options (a message names the key, `fedsept.rank`)."""
+    from raysim.config.load import _build_dataclass
+
+    name = (name or cfg.method).lower()
+    cls = get_method(name)
+    section = cfg.methods.get(name)
+    if isinstance(section, cls.Options):
+        return section
+    return _build_dataclass(cls.Options, section or {}, prefix=f"{name}.")
+
+
 __all__ = [
     "METHODS",
     "ClientData",
@@ -46,4 +61,5 @@ __all__ = [
     "discover",
     "get_method",
     "method_names",
+    "method_options",
 ]

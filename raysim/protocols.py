@@ -10,8 +10,8 @@ A protocol also says how a finished run is summarised (`summarize(run_dir, last=
 RunResult.summary and summary.md, and `markdown`), so a comparison command that reads run folders can ask
 the protocol of each run for its numbers.
 
-This module sits below the config checks (which look `eval.protocol` up here) and imports nothing of the
-engine; the engine's generic evaluation machinery (raysim/engine/evaluation.py) uses it.
+This module sits below raysim.build (which checks the eval section with `check_eval`, here) and imports nothing
+of the engine; the engine's generic evaluation machinery (raysim/engine/evaluation.py) uses it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from raysim.config.limits import MAX_BATCH_SIZE, MAX_ROUNDS
+from raysim.config.rules import at_most, check
+from raysim.config.schema import EvalConfig, TrainConfig
 from raysim.data.federation import FederationData, as_tensor
+from raysim.errors import shown
 from raysim.registry import Registry
 
 
@@ -102,6 +106,19 @@ class Protocol:
 
 
 PROTOCOLS: Registry[type[Protocol]] = Registry("evaluation protocol")
+
+
+def check_eval(e: EvalConfig, t: TrainConfig) -> None:
+    """The eval section's checks (the protocol is looked up in PROTOCOLS); called from raysim.build."""
+    check(0 <= e.clients <= t.num_clients,
+          f"eval.clients is how many clients are evaluated per evaluated round: 0 (all) up to train.num_clients="
+          f"{t.num_clients}; got {e.clients}")
+    check(e.protocol in PROTOCOLS, f"eval.protocol must be one of {', '.join(PROTOCOLS.names())}, got {shown(e.protocol)}")
+    check(e.batch_size >= 1, f"eval.batch_size must be >= 1, got {e.batch_size}")
+    check(e.every >= 1 and e.last >= 0, "eval.every must be >= 1 and eval.last >= 0")
+    at_most(e.every, MAX_ROUNDS, "eval.every")
+    at_most(e.last, MAX_ROUNDS, "eval.last")
+    at_most(e.batch_size, MAX_BATCH_SIZE, "eval.batch_size")
 
 
 register_protocol = PROTOCOLS.add

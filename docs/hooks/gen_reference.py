@@ -311,5 +311,17 @@ def render(markdown: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------ the hook
+def on_config(config: Any, **kwargs: Any) -> Any:
+    """```mermaid fences become <pre class="mermaid"> blocks, which the material theme draws as diagrams. Set here,
+    not in mkdocs.yml: the fence's format is a Python function, which a YAML tag would name, and mkdocs.yml stays
+    plain YAML (yaml.safe_load reads it in the tests)."""
+    from pymdownx.superfences import fence_code_format
+
+    fences = config["mdx_configs"].setdefault("pymdownx.superfences", {}).setdefault("custom_fences", [])
+    if not any(f.get("name") == "mermaid" for f in fences):
+        fences.append({"name": "mermaid", "class": "mermaid", "format": fence_code_format})
+    return config
+
+
 def on_page_markdown(markdown: str, page: Any = None, config: Any = None, files: Any = None, **kwargs: Any) -> str:
     return render(markdown) if MARKER.search(markdown) else markdown

@@ -5,7 +5,7 @@ class and its hooks, the MECHANISMS registry and `resolve`. Each mechanism is a 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol, TypeVar
 
 from raysim.errors import ConfigError, UploadViolation
 from raysim.registry import Registry
@@ -13,7 +13,6 @@ from raysim.registry import Registry
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from ..host import RoundPrivacy
     from ..ledger import Release
 
 KINDS = ("dpsgd", "update", "prototype", "embedding", "public", "reference")
@@ -95,6 +94,26 @@ class Planned:
     pure_share: float = 0.0
 
 
+class RoundView(Protocol):
+    """What a mechanism's hooks (`train`, `verify`) read of one (round, client)'s privacy handle. privacy/host.py
+    RoundPrivacy implements it; the type lives here, the module both use, so the mechanisms never import the host."""
+
+    host: Any  # the client's HostPrivacy (its calibrated multipliers, its dp section)
+    cid: int
+    round: int
+    num_train: int
+    shared: dict[str, "Tensor"]
+    released: dict[str, "Tensor"]
+
+    @property
+    def enabled(self) -> bool:
+        """True when a training mechanism noises the round's DP parameters."""
+
+    @property
+    def stepper(self) -> Any:
+        """The step object behind `backward` (DPSGD, BatchClipSGD or NoDP)."""
+
+
 @dataclass
 class Training:
     """What a `train` mechanism gives a round: the step object behind `privacy.backward` (DPSGD or
@@ -152,11 +171,11 @@ class Mechanism:
 
     planned = plan  # the previous name
 
-    def train(self, rp: "RoundPrivacy") -> Optional[Training]:
+    def train(self, rp: RoundView) -> Optional[Training]:
         """For `applied = "train"`: the round's step object and ledger entry (None: not a training mechanism)."""
         return None
 
-    def verify(self, rp: "RoundPrivacy", name: str, tensor: "Tensor", kind: str) -> None:
+    def verify(self, rp: RoundView, name: str, tensor: "Tensor", kind: str) -> None:
         """Raise UploadViolation unless the upload `name` is what this mechanism privatised this round.
         Default (host-made releases): it must be the tensor `privacy.release(name, ...)` returned."""
         import torch

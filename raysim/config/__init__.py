@@ -5,11 +5,12 @@ privacy, with its `dp.vpp` subsection) and one section per method, named after t
 whose fields are the method's own `Options` dataclass. Every key is checked; unknown keys and out-of-range
 values raise `ConfigError` with a message that says what to do.
 
-Three modules, low to high: `schema` (the section dataclasses; imports nothing of raysim but the errors),
-`load` (YAML, `key=value`, dotted keys, the flat-key shim) and `checks` (`build_config`, `validate`,
-`method_options`, `make_method`: the only one that consults the registries). This package re-exports
-`schema` and `load` only, so importing it never imports a registry; import the checks from
-`raysim.config.checks`.
+A leaf: it imports nothing of raysim but the errors (and safeio, to read a config file). Low to high: `schema`
+(the section dataclasses) and `limits` (the documented maxima), `load` (YAML, `key=value`, dotted keys, the
+flat-key shim) and `rules` (the checks that ask no registry). The checks that ask a registry live with the part
+that owns it, called from `raysim.build` (`build_config`, `validate`, `method_options`, `make_method`), where a
+run is assembled; `checks` re-exports those for the callers of the previous layout. This package re-exports
+`schema` and `load` only.
 """
 
 from raysim.config.load import (

@@ -1,7 +1,7 @@
 """Reading configuration: YAML files, `key=value` overrides, dotted keys, and the flat-key shim.
 
 Everything here works on plain nested mappings (`{"train": {"rounds": 5}}`) and on the section dataclasses
-of `raysim.config.schema`; nothing consults a registry (that is `raysim.config.checks`). The previous
+of `raysim.config.schema`; nothing consults a registry (that is `raysim.build`). The previous
 release's flat keys (`rounds=5`, `dp.vpp_rho=0.3`) are moved into their sections by `move_flat_keys`,
 once, where user input enters: config files (`load_config_file`), command-line overrides
 (`parse_user_overrides`), sweep and compare spec files, and the `build_config(values)` front door.

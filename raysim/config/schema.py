@@ -2,7 +2,7 @@
 
 This module is the leaf of the config package: it imports nothing of raysim but `raysim.errors`, so every
 layer (methods, privacy, data, the engine) may use the dataclasses. Parsing lives in `raysim.config.load`,
-the checks that consult the registries in `raysim.config.checks`.
+the checks that consult the registries with the parts that own them, called from `raysim.build`.
 """
 
 from __future__ import annotations

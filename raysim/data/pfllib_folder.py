@@ -26,12 +26,15 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from raysim.config.limits import MAX_CLIENTS
+from raysim.config.load import _coerce
+from raysim.config.schema import DataConfig
 from raysim.data.base import DatasetBundle, ImageSet, LoadSpec, register_dataset
 from raysim.data.partition import PARTITIONERS, ClientSplit, PartitionSpec
 from raysim.errors import ConfigError, DataError
@@ -39,10 +42,10 @@ from raysim.safeio import Budget, parse_npz, read_regular
 
 CONFIG = "config.json"
 MAX_CONFIG_BYTES = 64 << 20  # a config.json listing label counts of 100,000 clients stays far below this
-# documented maxima (docs/security.md): MAX_FOLDER_CLIENTS is raysim.config.checks.MAX_CLIENTS (train.num_clients),
-# which this layer cannot import; a folder claiming more classes is a typo or an attack (heads, class names and
-# per-class statistics are sized by it)
-MAX_FOLDER_CLIENTS = 100_000
+# documented maxima (docs/security.md): MAX_FOLDER_CLIENTS is train.num_clients's maximum (raysim.config.limits, their
+# one home); a folder claiming more classes is a typo or an attack (heads, class names and per-class statistics are
+# sized by it)
+MAX_FOLDER_CLIENTS = MAX_CLIENTS
 MAX_CLASSES = 100_000
 STATISTIC_KEY = "Size of samples for labels in clients"
 LAYOUT = ("PATH/config.json (with num_clients and num_classes), PATH/train/<i>.npz and PATH/test/<i>.npz for "
@@ -268,4 +271,39 @@ def stored(spec: PartitionSpec) -> list[ClientSplit]:
                       "(a PFLlib / HtFLlib folder); pick another data.partition for this dataset")
 
 
-__all__ = ["PfllibFolder", "StoredImages", "load_pfllib", "read_config", "read_folder", "stored", "stored_splits", "write_folder"]
+
+def stored_clients(plain: dict[str, Any]) -> dict[str, Any]:
+    """data.dataset=pfllib runs on the clients its folder stores: data.partition=stored and train.num_clients
+    are taken from the folder's config.json (a conflicting value the user set is refused), data.shots is 0
+    (every stored sample), and the config.json is recorded as data.folder_config. `plain`: the run's mapping
+    before its sections are built (raysim.build.build_config)."""
+    if not isinstance(plain.get("data") or {}, Mapping) or not isinstance(plain.get("train") or {}, Mapping):
+        return plain  # not sections: _build_dataclass says so
+    data = dict(plain.get("data") or {})
+    if str(data.get("dataset", "")).lower() != "pfllib":
+        if data.get("folder_config"):
+            raise ConfigError("data.folder_config is recorded from a data.dataset=pfllib folder; do not set it")
+        return plain
+    root = str(data.get("data_root", DataConfig.data_root))
+    folder = read_config(root)
+    train = dict(plain.get("train") or {})
+    K = int(folder["num_clients"])
+    if "num_clients" in train and _coerce(train["num_clients"], int, "train.num_clients") != K:
+        raise ConfigError(f"train.num_clients={train['num_clients']} conflicts with the {K} clients of the PFLlib folder "
+                          f"{root} (its config.json): data.dataset=pfllib runs on the stored clients; drop train.num_clients "
+                          f"or set it to {K}")
+    if data.get("partition", "stored") != "stored":
+        raise ConfigError(f"data.partition={data['partition']} would re-split the clients of the PFLlib folder {root}; "
+                          "data.dataset=pfllib runs on its stored clients (data.partition=stored): drop data.partition")
+    if _coerce(data.get("shots", 0) or 0, int, "data.shots") != 0:
+        raise ConfigError(f"data.shots={data['shots']} would drop samples of the stored clients of {root}; data.dataset=pfllib "
+                          "keeps every stored sample: set data.shots=0 or drop it")
+    if data.get("folder_config") not in (None, {}, folder):
+        raise ConfigError(f"data.folder_config differs from {root}/config.json: the folder changed since this config was "
+                          "written (its clients may differ); start a new run")
+    train["num_clients"] = K
+    data.update(partition="stored", shots=0, folder_config=folder)
+    return {**plain, "data": data, "train": train}
+
+__all__ = ["PfllibFolder", "StoredImages", "load_pfllib", "read_config", "read_folder", "stored", "stored_clients", "stored_splits",
+           "write_folder"]

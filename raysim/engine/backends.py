@@ -25,8 +25,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional, Protocol
 
+from raysim.build import make_method
 from raysim.config import RunConfig
-from raysim.config.checks import make_method
 from raysim.engine.batched import stacked_round, stacks_clients
 from raysim.engine.client_round import ClientReport, check_round, merge_phases
 from raysim.engine.cluster import init_ray, plan_hosts

@@ -48,14 +48,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from raysim.engine.client_round import ClientRound, judge
+from raysim.engine.client_round import ClientRound, StackHost, judge
 from raysim.methods.families.prompt import ClientJob
 from raysim.privacy.dpsgd import DPSGD, NoDP, per_sample_grads_and_sums
 from raysim.sampling import generator
 
 if TYPE_CHECKING:
     from raysim.engine.client_round import ClientReport
-    from raysim.engine.hosts import ClientHost
     from raysim.methods.base import Upload
     from raysim.privacy.host import RoundPrivacy
 
@@ -147,7 +146,7 @@ def _set_plain(loss: Any, params: list[Tensor]) -> None:
         p.grad = torch.zeros_like(p) if g is None else g.detach().to(p.dtype)
 
 
-def batchable(host: "ClientHost") -> bool:
+def batchable(host: StackHost) -> bool:
     """`stacks_clients` of the host's run config and method."""
     return stacks_clients(host.cfg, host.method)
 
@@ -252,7 +251,7 @@ def stacked_round(round_idx: int, participants: Sequence[int], stack_size: int, 
 
 
 # -- a host's side ---------------------------------------------------------------------------------------------
-def train_stack(host: "ClientHost", round_idx: int, client_ids: Sequence[int],
+def train_stack(host: StackHost, round_idx: int, client_ids: Sequence[int],
                 shared: dict[str, Tensor]) -> Optional[tuple[list["Upload"], list["ClientReport"]]]:
     """`ClientHost.train` for the clients `client_ids` of this host, in stacks of execution.stack_size in id
     order; None when the run does not stack (the host then trains client by client)."""
@@ -263,7 +262,7 @@ def train_stack(host: "ClientHost", round_idx: int, client_ids: Sequence[int],
     return uploads, reports
 
 
-def train_stacks(host: "ClientHost", round_idx: int, stacks: Sequence[Sequence[int]],
+def train_stacks(host: StackHost, round_idx: int, stacks: Sequence[Sequence[int]],
                  shared: dict[str, Tensor]) -> tuple[list["Upload"], list["ClientReport"], list[int]]:
     """Train `stacks` (each in one `batched_local_train`) on `host`, which holds every member (its own
     clients, and its guests brought by `ClientHost.train_stacks`). Each client's result is judged and settled
@@ -287,7 +286,7 @@ def train_stacks(host: "ClientHost", round_idx: int, stacks: Sequence[Sequence[i
     return uploads, reports, redo
 
 
-def _one_stack(host: "ClientHost", clients: ClientRound, round_idx: int, cids: list[int],
+def _one_stack(host: StackHost, clients: ClientRound, round_idx: int, cids: list[int],
                shared: dict[str, Tensor]) -> Optional[bool]:
     """One stack trained and settled: True to go on, False to stop (a failure under fail), None when it is to
     go client by client (nothing of it was charged or kept)."""

@@ -203,6 +203,25 @@ class RoundHost(Protocol):
         """The client's privacy spent so far."""
 
 
+class StackHost(RoundHost, Protocol):
+    """What client-batched training (raysim/engine/batched.py) needs of a host beyond a ClientRound's: the run's
+    config, the frozen parts, the policy, whose clients it keeps and the client-by-client step. ClientHost
+    (raysim/engine/hosts.py) implements it; the type lives here, below both, so neither imports the other's."""
+
+    cfg: "RunConfig"
+    env: Any
+
+    @property
+    def policy(self) -> "ClientPolicy":
+        """The run's client policy (fail / drop, timeout)."""
+
+    def is_home(self, cid: int) -> bool:
+        """Whether client `cid`'s state lives on this host (else it is a guest, brought for one stack)."""
+
+    def local_step(self, phase: Phase, round_idx: int, shared: dict[str, torch.Tensor]) -> Any:
+        """The client-by-client step of `phase` for a ClientRound."""
+
+
 @dataclass(frozen=True)
 class Saved:
     """What a round may change of a client, kept to be put back if the client fails under drop: its privacy

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from raysim.build import env_spec, make_method
 from raysim.config import RunConfig, keeps_all_client_states
-from raysim.config.checks import env_spec, make_method
 from raysim.data.federation import ClientSlices, FederationData
 from raysim.engine.client_round import ClientPolicy, ClientReport, ClientRound, Phase
 from raysim.errors import RaysimError, UploadViolation

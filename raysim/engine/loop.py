@@ -176,7 +176,7 @@ def _remove_all_but_lock(out_dir: Path) -> None:
 def _start(cfg: RunConfig, out_dir: Path, done: int) -> tuple[Any, Any, RunLogger, dict[str, Any], int]:
     """The method, the data (which fails before anything is written), config.yaml, the logger, the backend,
     and the lock-step count of a round (Method.lockstep_steps; 0 = an ordinary round)."""
-    from raysim.config.checks import make_method
+    from raysim.build import make_method
     from raysim.engine.backends import BACKENDS
 
     method = make_method(cfg)
@@ -294,7 +294,7 @@ def privacy_scope(cfg: RunConfig) -> str:
     upload (e.g. fedtsp.dp_budget=paper: the description embedding only); empty otherwise."""
     if not cfg.dp.enabled:
         return ""
-    from raysim.config.checks import make_method
+    from raysim.build import make_method
 
     shares = make_method(cfg).budget_shares() or {}
     notes = list(dict.fromkeys(s.note for s in shares.values() if s.note))

@@ -98,8 +98,8 @@ class RunFolder:
     def cfg(self) -> Any:
         """The run's config (a flat config.yaml of the previous release is moved to sections)."""
         if self._cfg is None:
+            from raysim.build import build_config
             from raysim.config import load_yaml
-            from raysim.config.checks import build_config
 
             if not self.is_run():
                 raise ConfigError(f"{self.path} holds no config.yaml; pass the out_dir of a run")
@@ -115,8 +115,8 @@ class RunFolder:
         """The config of this run with resumable keys (field metadata: execution, output, data.data_root,
         train.rounds to extend a run) overridden; any other change is refused. `overrides` are sectioned
         (`{"output": {"progress": False}}`; the command line's have been through the flat-key shim)."""
+        from raysim.build import build_config
         from raysim.config import flatten, merge_config
-        from raysim.config.checks import build_config
 
         if not self.is_run():
             raise ConfigError(f"output.resume={self.path}: no config.yaml there; pass the out_dir of an earlier run")
@@ -275,7 +275,7 @@ class RunFolder:
     def method(self) -> Any:
         """The run's method, built from its config (as the engine builds it)."""
         if self._method is None:
-            from raysim.config.checks import make_method
+            from raysim.build import make_method
 
             self._method = make_method(self.cfg)
         return self._method
@@ -293,7 +293,7 @@ class RunFolder:
     def env(self) -> Any:
         """The method's client environment (frozen towers, class names) on the run's device."""
         if self._env is None:
-            from raysim.config.checks import env_spec
+            from raysim.build import env_spec
 
             self._env = self.method.build_env(env_spec(self.cfg, self.data.classnames), role="client")
         return self._env

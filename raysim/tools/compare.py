@@ -305,7 +305,7 @@ def plan(spec: CompareSpec, out: Path) -> list[tuple[dict[str, Any], Entry, Path
     """(cell, entry, run folder, validated config) of every run, in order: a typo in the last entry
     fails before the first run starts. With several seeds each (cell, entry) has a run per seed in
     <entry>/seed-<s>/; one seed (or none) keeps the single-run folder <entry>/."""
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
 
     check_size(spec)  # before the grid is expanded
     check_labels(spec.methods)
@@ -449,7 +449,7 @@ def _seeds_text(configs: list[Any]) -> str:
 def _model_name(cfg: Any) -> str:
     """The model a table was measured on: the method's own backbone where it has one (the VPDR frameworks'
     `backbone`), else the run's CLIP model."""
-    from raysim.config.checks import method_options
+    from raysim.build import method_options
 
     backbone = getattr(method_options(cfg), "backbone", "")
     return f"backbone {backbone}" if isinstance(backbone, str) and backbone else cfg.model.name

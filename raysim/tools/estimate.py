@@ -82,7 +82,7 @@ PASSES = {"zeroshot": 0, "promptfl": 1, "dpfpl": 1, "fedotp": 2, "fedpha": 2, "f
 def text_passes(cfg: Any) -> float:
     """Learned prompt sets encoded per step: FedSEPT's M experts, FedOTP's 2 prompts, FedPGP's 4 feature sets."""
     if cfg.method == "fedsept":
-        from raysim.config.checks import method_options
+        from raysim.build import method_options
 
         opts = method_options(cfg)
         return 1.0 if getattr(opts, "variant", "full") == "single" else float(getattr(opts, "experts", 4))
@@ -158,7 +158,7 @@ def cnn_forward_flops(arch: str, feature_dim: int, classes: int, image_size: int
 
 def client_forward_flops(cfg: Any) -> list[float] | None:
     """Per-client forward FLOPs for the heterogeneous-model and VPDR methods; None for the prompt methods."""
-    from raysim.config.checks import method_options
+    from raysim.build import method_options
 
     opts = method_options(cfg)
     classes = DATASETS.get(cfg.data.dataset, (10, 1000, 1000))[0]

@@ -81,7 +81,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("overrides", nargs="*", help="key=value overrides (data.dataset=digits data.partition=dirichlet ...)")
     args = p.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))  # OUT --image-size S k=v works too
     try:
-        from raysim.config.checks import config_from_cli
+        from raysim.build import config_from_cli
         from raysim.errors import ConfigError
 
         if not MIN_IMAGE_SIZE <= args.image_size <= MAX_IMAGE_SIZE:

@@ -44,8 +44,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python raysim/run.py
             from raysim.errors import ConfigError
 
             raise ConfigError("--resume continues a sweep (with --sweep FILE); to continue a run pass output.resume=OUT_DIR")
+        from raysim.build import config_from_cli
         from raysim.config import parse_user_overrides
-        from raysim.config.checks import config_from_cli
         from raysim.engine.loop import resume_config, run
 
         overrides = parse_user_overrides(args.overrides)  # user input: old flat keys moved into their sections

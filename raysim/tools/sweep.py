@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 if TYPE_CHECKING:
     import pandas
 
+from raysim.build import build_config
 from raysim.config import (
     RunConfig,
     load_yaml,
@@ -48,7 +49,6 @@ from raysim.config import (
     set_dotted,
     unflatten,
 )
-from raysim.config.checks import build_config
 from raysim.engine.cluster import init_ray, plan_hosts
 from raysim.errors import ConfigError, shown
 from raysim.tools.sweep_report import _yaml_value, markdown_table, plot_paths, trials_table, write_outputs, write_plots  # noqa: F401
