@@ -26,8 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def config(tmp: Path, tag: str, clients: int, per_round: int, rounds: int, **execution):
-    from raysim.config.checks import build_config
-
+    from raysim.build import build_config
     return build_config({
         "method": "promptfl",
         "data": {"dataset": "digits", "partition": "iid", "shots": 0, "min_samples": 1},
@@ -43,7 +42,7 @@ def plain_loop(cfg) -> list[float]:
     """The same client and server code in one process: no hosts, privacy handles, checkpoints or logs."""
     import torch
 
-    from raysim.config.checks import env_spec, make_method
+    from raysim.build import env_spec, make_method
     from raysim.engine.loop import prepare_data
     from raysim.methods import Upload
     from raysim.privacy import NoDP

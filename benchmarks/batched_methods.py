@@ -36,8 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def config(tmp: Path, tag: str, method: str, clients: int, per_round: int, rounds: int, epsilon: float, batch: bool):
-    from raysim.config.checks import build_config
-
+    from raysim.build import build_config
     values = {
         "method": method,
         "data": {"dataset": "digits", "partition": "iid", "shots": 0, "min_samples": 1},
@@ -99,7 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-flops", dest="flops", action="store_false", help="do not count each cell's round FLOPs")
     args = ap.parse_args(argv)
 
-    from raysim.config.checks import make_method
+    from raysim.build import make_method
     from raysim.metrics import markdown_table
 
     tmp = Path(tempfile.mkdtemp(prefix="raysim-batched-methods-"))

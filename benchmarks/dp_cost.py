@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def build(method_name: str, args):
     import torch
 
-    from raysim.config.checks import build_config, env_spec, make_method
+    from raysim.build import build_config, env_spec, make_method
     from raysim.data.synthetic import SyntheticParams
 
     cfg = build_config({

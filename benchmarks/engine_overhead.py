@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def plain_loop(cfg, rounds: int) -> list[float]:
     import torch
 
-    from raysim.config.checks import env_spec, make_method
+    from raysim.build import env_spec, make_method
     from raysim.engine.loop import prepare_data
     from raysim.methods import ClientData, Upload
     from raysim.privacy import NoDP
@@ -73,9 +73,8 @@ def main(argv=None) -> int:
     ap.add_argument("--partition", default="iid")
     args = ap.parse_args(argv)
 
+    from raysim.build import build_config
     from raysim.config import merge_config
-    from raysim.config.checks import build_config
-
     tmp = Path(tempfile.mkdtemp(prefix="raysim-bench-"))
     common = {
         "method": "promptfl",

@@ -59,7 +59,7 @@ def federation(clients: int, train: int, test: int, classes: int, dim: int, seed
 
 def measure(method: str, data, args, tmp: Path, evaluations: dict[str, tuple[bool, int]]) -> dict[str, float]:
     """{"train": s per training round (median), name: s of that evaluation} for one method."""
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.engine.backends import InlineBackend
     from raysim.sampling import eval_clients, participants
 

@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     t0 = time.time()
 
+    from raysim.build import build_config, make_method
     from raysim.config import merge_config, parse_overrides
-    from raysim.config.checks import build_config, make_method
     from raysim.engine.loop import prepare_data
     from raysim.methods.fedsept.fedotp import ot_logits
     from raysim.models.clip import ModelSpec, build_clip_env

@@ -135,8 +135,8 @@ def row_config(entry: str, args):
     """The RunConfig of one row: the benchmark's train section (the paper's L = 16 from N(0, 0.02^2): no ctx_init
     phrase), model and device, plus the entry's overrides (`--experts`/`--rank` are FedSEPT's M and r; an
     entry's own `fedsept:experts=...` wins)."""
+    from raysim.build import build_config
     from raysim.config import deep_merge
-    from raysim.config.checks import build_config
     from raysim.tools.compare import parse_entry
 
     e = parse_entry(entry)
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_rows(args) -> tuple[list[tuple[str, dict[str, float]]], str, dict]:
     """Every row measured in this process: (rows, a description of the device, per-row shapes and skipped rows)."""
-    from raysim.config.checks import env_spec, make_method
+    from raysim.build import env_spec, make_method
     from raysim.errors import ConfigError
     from raysim.models.clip import resolve_device
 

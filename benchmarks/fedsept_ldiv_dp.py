@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.nn.functional as F
 
+    from raysim.build import build_config, make_method
     from raysim.config import merge_config, parse_overrides
-    from raysim.config.checks import build_config, make_method
     from raysim.engine.hosts import ClientHost, ServerHost
     from raysim.engine.loop import prepare_data
     from raysim.methods.fedsept.fedsept_parts import diversity_loss

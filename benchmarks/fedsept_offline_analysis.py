@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
 
+    from raysim.build import build_config, make_method
     from raysim.config import merge_config, parse_overrides
-    from raysim.config.checks import build_config, make_method
     from raysim.engine.loop import prepare_data
     from raysim.methods.fedsept.fedsept_parts import public_basis
     from raysim.models.clip import ModelSpec, build_clip_env

@@ -110,7 +110,7 @@ def main() -> None:
 
 
 def report(out: Path, only: set[str]) -> None:
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.engine.evaluation import PROTOCOLS
     from raysim.engine.loop import run
 

@@ -32,7 +32,7 @@ def _setup(role: str):
     if role not in _cache:
         import torch
 
-        from raysim.config.checks import build_config, env_spec, make_method
+        from raysim.build import build_config, env_spec, make_method
         from raysim.engine.loop import prepare_data
 
         benchlib.register_bench_model()

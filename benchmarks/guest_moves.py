@@ -51,8 +51,8 @@ def measure(clients: int, per_round: int, rounds: int, hosts: int, dp: float, ca
     import benchlib
     import scale
 
+    from raysim.build import build_config
     from raysim.config import merge_config
-    from raysim.config.checks import build_config
     from raysim.engine import batched
     from raysim.engine.hosts import ClientHost
     from raysim.engine.loop import run

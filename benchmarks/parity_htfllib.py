@@ -114,8 +114,8 @@ def make_mnist_like(out: str | Path, *, clients: int = 20, alpha: float = 0.1, s
 def raysim_side(folder: str, method: str, *, family: str, rounds: int, out_dir: Path, seed: int = 0,
                 overrides: Optional[dict[str, Any]] = None, preset: Path = PRESET) -> list[float]:
     """raysim's per-round pooled test accuracy (total correct / total test samples) of `method` on the folder."""
+    from raysim.build import build_config
     from raysim.config import load_config_file, merge_config
-    from raysim.config.checks import build_config
     from raysim.engine.loop import run
     from raysim.protocols import fedtsp_round_metrics
 

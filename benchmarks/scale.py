@@ -122,7 +122,7 @@ def run_ray(spec: dict, sizes: list[int]) -> dict[int, dict[str, Any]]:
     import benchlib
     import ray
 
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.engine.loop import run
 
     os.environ["PYTHONPATH"] = benchlib.bench_pythonpath()  # the actors import benchlib (the setup hook)
@@ -161,7 +161,7 @@ def run_plain(spec: dict, sizes: list[int]) -> dict[int, dict[str, Any]]:
     import benchlib
     import torch
 
-    from raysim.config.checks import build_config, env_spec, make_method
+    from raysim.build import build_config, env_spec, make_method
     from raysim.engine.loop import prepare_data
     from raysim.methods import Upload
     from raysim.methods.base import initial_private

@@ -82,8 +82,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+    from raysim.build import build_config
     from raysim.config import merge_config, parse_user_overrides
-    from raysim.config.checks import build_config
     from raysim.engine.loop import run
     from raysim.metrics import markdown_table
 

@@ -32,8 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def config(tmp: Path, tag: str, args, **extra):
-    from raysim.config.checks import build_config
-
+    from raysim.build import build_config
     values = {
         "model": {"name": args.model, "pretrained": "bundled" if args.model == "raysim-clip" else ""},
         "train": {"rounds": args.rounds},
@@ -46,7 +45,7 @@ def config(tmp: Path, tag: str, args, **extra):
 
 def phases(cfg) -> dict[str, float]:
     """Each phase of a RayBackend's life, timed on the driver (and inside the actors)."""
-    from raysim.config.checks import make_method
+    from raysim.build import make_method
     from raysim.engine.hosts import ClientHost
     from raysim.engine.loop import prepare_data
     from raysim.sampling import participants
@@ -130,7 +129,7 @@ def main(argv=None) -> int:
 
         cluster.LOCAL_SYSTEM_CONFIG.clear()
     tmp = Path(tempfile.mkdtemp(prefix="raysim-startup-"))
-    from raysim.config.checks import make_method
+    from raysim.build import make_method
     from raysim.engine.loop import prepare_data
 
     warm = config(tmp, "warm", args)

@@ -92,7 +92,7 @@ def _channel(fd: int) -> tuple[Callable[[dict], None], Callable[[], None]]:
 def worker_plain(spec: dict, report, wait) -> None:
     import torch
 
-    from raysim.config.checks import build_config, env_spec, make_method
+    from raysim.build import build_config, env_spec, make_method
     from raysim.engine.loop import prepare_data
     from raysim.methods import Upload
     from raysim.methods.base import initial_private
@@ -127,8 +127,8 @@ def worker_plain(spec: dict, report, wait) -> None:
 
 
 def worker_engine(spec: dict, report, wait, backend: str) -> None:
+    from raysim.build import build_config
     from raysim.config import merge_config
-    from raysim.config.checks import build_config
     from raysim.engine.loop import run
     from raysim.storage.store import StateStore
 
@@ -298,8 +298,8 @@ def main(argv=None) -> int:
     import benchlib
 
     benchlib.register_bench_model()
+    from raysim.build import build_config, make_method
     from raysim.config import merge_config
-    from raysim.config.checks import build_config, make_method
     from raysim.engine.loop import prepare_data
 
     tmp = Path(tempfile.mkdtemp(prefix="raysim-vs-flower-"))

@@ -41,8 +41,7 @@ LAYOUTS = {
 
 
 def config(tmp: Path, tag: str, clients: int, family: str, rounds: int, **execution):
-    from raysim.config.checks import build_config
-
+    from raysim.build import build_config
     return build_config({
         "method": "fedproto",
         "data": {"dataset": "digits", "partition": "dirichlet", "beta": 0.1, "shots": 0},

@@ -9,8 +9,6 @@ validates its own section, called from `validate` in a fixed order: the method r
 where the parts meet: the method's options and its uploads' mechanisms under the run's dp
 (raysim.privacy.mechanisms.check_method), train.ctx_init, train.optimizer_state and data.augment against the
 method. A message names the key as it is written (`train.rounds`) and what to do.
-
-`raysim.config.checks` re-exports these names for the callers of the previous layout.
 """
 
 from __future__ import annotations

@@ -143,9 +143,8 @@ def flat_keys_allowed(monkeypatch):
 def tiny_config(tmp_path, cache_dir: str, **overrides):
     """A small, fast PromptFL federation on digits (the engine's default path). Overrides are sections,
     merged deep (`train={"rounds": 2}`); the previous release's flat keys (`rounds=2`) raise here."""
+    from raysim.build import build_config
     from raysim.config import merge_config
-    from raysim.config.checks import build_config
-
     values = {
         "method": "promptfl",
         "data": {"dataset": "digits", "shots": 8},
@@ -163,7 +162,7 @@ def run_on_digits(tmp_path, method, section, *, tag=None, rounds=2, clients=4):
     text side); returns the RunResult and the rows of client_results.csv."""
     import csv
 
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.engine.loop import run
 
     cfg = build_config({

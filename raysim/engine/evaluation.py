@@ -2,7 +2,7 @@
 the test rows into parts that score the same batches as the whole.
 
 The evaluation protocols themselves (the registry and the papers' protocols: in_cross, fedtsp, vpdr) live
-in raysim/protocols.py, below the config checks; their names are re-exported here.
+in raysim/protocols.py, below raysim.build (where a run is assembled and checked); their names are re-exported here.
 """
 
 from __future__ import annotations

@@ -174,8 +174,8 @@ def test_own_test_nonmembers_remove_the_class_signal(fedsept_run, capsys):
 
 
 def test_final_model_logits_reads_test_rows_where_asked(fedsept_run):
+    from raysim.build import build_config, make_method
     from raysim.config import load_yaml
-    from raysim.config.checks import build_config, make_method
     from raysim.engine.loop import prepare_data
 
     cfg = build_config(load_yaml(fedsept_run / "config.yaml"))

@@ -240,7 +240,7 @@ def _short_proto(folder: Path, cache_dir: str, **output):
 
 
 def test_recorded_runs_keep_every_rounds_client_state_so_the_audit_sees_every_round(tmp_path, cache_dir):
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.errors import ConfigError
     from raysim.storage.store import StateStore
 
@@ -302,8 +302,7 @@ def tiny_vit(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("method,privacy", [("vpdr_fedproto", "vpdr"), ("vpdr_mpft", "igpp"), ("vpdr_fedplvm", "igpp")])
 def test_audit_of_a_vpdr_run_writes_the_ledger_and_the_attacks(tmp_path, cache_dir, tiny_vit, method, privacy):
-    from raysim.config.checks import build_config
-
+    from raysim.build import build_config
     cfg = build_config({
         "method": method, "data": {"dataset": "digits4", "partition": "domain", "shots": 4},
         "train": {"num_clients": 4, "rounds": 2, "batch_size": 32, "local_epochs": 1},  # partition=domain: one per domain
@@ -348,8 +347,8 @@ def test_the_cli_knows_audit(capsys):
 # -- the shipped studies (validated, not run) ---------------------------------------------------------
 
 def test_the_audit_study_specs_validate_offline():
+    from raysim.build import build_config
     from raysim.config import merge_config
-    from raysim.config.checks import build_config
     from raysim.tools.compare import plan, spec_from_args
     from raysim.tools.sweep import load_sweep
 
@@ -364,7 +363,7 @@ def test_the_audit_study_specs_validate_offline():
     cfgs = {entry.label: cfg for _, entry, _, cfg in runs}
     assert set(cfgs) == {"NoLDP", *(f"{m}-eps{e}" for m in ("IGPP", "VPP", "VPDR") for e in (1, 2))}
     assert all(c.method == "vpdr_fedproto" and c.output.record_uploads and c.data.dataset == "digits4" for c in cfgs.values())
-    from raysim.config.checks import make_method
+    from raysim.build import make_method
     from raysim.tools.audit import attack_family
 
     for label, c in cfgs.items():

@@ -33,8 +33,7 @@ def _planned(path: str, text: str) -> tuple[Any, ...]:
 
 def value(cfg: Any, key: str) -> Any:
     """A config's value of a row or column key: a dotted key from the config, a bare one from the method's options."""
-    from raysim.config.checks import method_options
-
+    from raysim.build import method_options
     if "." not in key:
         return getattr(method_options(cfg), key)
     out = cfg

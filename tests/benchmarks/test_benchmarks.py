@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from raysim.config.checks import make_method
+from raysim.build import make_method
 from raysim.methods.base import broadcast_state
 from raysim.models.clip import ModelSpec, build_clip_env
 

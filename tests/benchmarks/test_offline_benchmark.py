@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from raysim.build import build_config
 from raysim.config import merge_config
-from raysim.config.checks import build_config
 from raysim.engine.loop import run
 
 

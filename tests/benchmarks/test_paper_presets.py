@@ -74,7 +74,7 @@ def test_dry_run_validates_without_data_or_weights_and_estimates_gpu_hours(path,
 
 def test_gpu_hours_estimate_scales_with_the_work():
     """Twice the rounds is twice the training steps; DP's per-example backward costs more than a plain one."""
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.tools.estimate import estimate
 
     base = {"method": "promptfl", "model": {"name": "ViT-B-16", "pretrained": "openai"},

@@ -128,7 +128,7 @@ def test_dry_run_estimates_finite_positive_gpu_hours(name, tmp_path, capsys, mon
 
 
 def test_whole_network_estimate_scales_with_rounds_and_model_size():
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.tools.estimate import estimate
 
     def cfg(rounds, family):
@@ -282,7 +282,7 @@ def test_the_docs_print_each_presets_dry_run_estimate(name, tmp_path, capsys, mo
 
 
 def test_the_estimate_trains_on_the_kept_fraction_of_each_domain():
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.tools.estimate import estimate, sizes
 
     def cfg(dataset, fraction):

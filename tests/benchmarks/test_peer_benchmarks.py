@@ -88,7 +88,7 @@ def test_scale_dataset_is_generated_features_per_client(tmp_path):
     ever drawn), the same for the same seed."""
     import scale
 
-    from raysim.config.checks import build_config, make_method
+    from raysim.build import build_config, make_method
     from raysim.engine.loop import prepare_data
 
     benchlib.register_bench_model()

@@ -43,7 +43,7 @@ def pacs_config(tmp_path, cache_dir, *, method="promptfl", epochs=1, **data):
 
 
 def prepared(cfg):
-    from raysim.config.checks import make_method
+    from raysim.build import make_method
     from raysim.data.prepare import prepare_data
 
     return prepare_data(cfg, make_method(cfg).needs(), progress=False)

@@ -181,8 +181,7 @@ def test_domain_reseed_gives_every_class_the_code_proportions_and_fresh_draws_do
 
 
 def test_domain_reseed_refuses_a_split_it_cannot_redraw_and_other_partitions():
-    from raysim.config.checks import build_config
-
+    from raysim.build import build_config
     y = np.zeros(6, int)  # one class: at beta 0.01 the one draw gives (almost) all of it to one client
     sp = PartitionSpec(train_labels=y, test_labels=y, num_clients=2, seed=1, beta=0.01, domain_reseed=True,
                        train_domains=np.zeros(len(y), int), test_domains=np.zeros(len(y), int))

@@ -83,7 +83,7 @@ def test_label_skew_grows_as_beta_shrinks_and_the_seed_fixes_the_split():
 
 
 def test_the_engine_hands_the_methods_the_pool(tmp_path):
-    from raysim.config.checks import build_config, make_method
+    from raysim.build import build_config, make_method
     from raysim.engine.loop import prepare_data
 
     cfg = build_config({
@@ -107,7 +107,6 @@ def test_the_engine_hands_the_methods_the_pool(tmp_path):
 
 
 def test_pfllib_keeps_every_sample_so_shots_must_be_zero():
-    from raysim.config.checks import build_config
-
+    from raysim.build import build_config
     with pytest.raises(ConfigError, match="data.shots=0"):
         build_config({"method": "fedavg", "data": {"dataset": "digits", "partition": "pfllib"}})

@@ -106,7 +106,7 @@ def test_a_pfllib_run_reads_pfllibs_batches(tmp_path):
     methods' default (shuffle=False) takes them in consecutive drop_last batches, as PFLlib's loader."""
     import torch
 
-    from raysim.config.checks import build_config, make_method
+    from raysim.build import build_config, make_method
     from raysim.engine.loop import prepare_data
     from raysim.methods.families.zoo import ZooModelOptions, ZooOptions
     from raysim.sampling import epoch_batches

@@ -117,8 +117,7 @@ def test_other_damage_is_refused_naming_the_file(tmp_path):
 
 
 def test_config_takes_the_clients_from_the_folder(tmp_path):
-    from raysim.config.checks import build_config
-
+    from raysim.build import build_config
     root, _, _ = _folder(tmp_path)
     base = {"method": "local", "data": {"dataset": "pfllib", "data_root": str(root)}, "local": {"model_family": "FedAvgCNN-1x28"}}
     cfg = build_config(base)
@@ -136,7 +135,7 @@ def test_config_takes_the_clients_from_the_folder(tmp_path):
 def test_export_then_import_round_trips_the_split(tmp_path):
     """A raysim split (digits, Dirichlet, seed 3) written as a PFLlib folder and read back: every client's
     train and test rows and labels unchanged, in order."""
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.data.prepare import prepare_data
     from raysim.methods.base import Needs
     from raysim.tools.export_pfllib import main as export_main
@@ -192,7 +191,7 @@ def test_an_archive_that_unpacks_past_the_cap_is_refused(tmp_path):
 
 
 def test_a_clip_method_is_refused_on_a_stored_folder(tmp_path):
-    from raysim.config.checks import build_config, make_method
+    from raysim.build import build_config, make_method
     from raysim.data.prepare import prepare_data
 
     root, _, _ = _folder(tmp_path)
@@ -203,7 +202,7 @@ def test_a_clip_method_is_refused_on_a_stored_folder(tmp_path):
 
 
 def test_a_family_that_cannot_take_the_stored_images_is_refused(tmp_path):
-    from raysim.config.checks import build_config, make_method
+    from raysim.build import build_config, make_method
     from raysim.data.prepare import prepare_data
 
     root, _, _ = _folder(tmp_path)  # one channel at 28x28
@@ -217,7 +216,7 @@ def test_a_family_that_cannot_take_the_stored_images_is_refused(tmp_path):
 
 
 def test_the_input_check_reads_the_family_before_the_single_model(tmp_path):
-    from raysim.config.checks import build_config, make_method
+    from raysim.build import build_config, make_method
     from raysim.data.prepare import prepare_data
 
     root, _, _ = _folder(tmp_path)

@@ -77,7 +77,7 @@ def test_the_same_seed_gives_the_same_subset_and_another_seed_another(pacs):
 
 
 def test_a_run_partitions_the_kept_images_one_domain_per_client(pacs, tmp_path, cache_dir):
-    from raysim.config.checks import make_method
+    from raysim.build import make_method
     from raysim.data.prepare import prepare_data
 
     root, full = pacs

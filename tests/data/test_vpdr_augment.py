@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from raysim.config.checks import build_config
+from raysim.build import build_config
 from raysim.data.base import CLIP_MEAN, CLIP_STD
 from raysim.data.padcrop import NAME, PADDING, PadCropFlip
 from raysim.errors import ConfigError
@@ -41,7 +41,7 @@ def vpdr_values(tmp_path, cache_dir, backbone, *, augment="official", backend="i
 
 
 def prepared(cfg):
-    from raysim.config.checks import make_method
+    from raysim.build import make_method
     from raysim.data.prepare import prepare_data
 
     return prepare_data(cfg, make_method(cfg).needs(), progress=False)

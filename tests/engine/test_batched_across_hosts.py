@@ -107,7 +107,7 @@ def test_inline_batched_equals_client_by_client_within_float_tolerance(tmp_path,
 
 
 def _two_hosts(tmp_path, cache_dir, *, policy="drop"):
-    from raysim.config.checks import make_method
+    from raysim.build import make_method
     from raysim.engine.backends import InlineBackend
     from raysim.engine.loop import prepare_data
 

@@ -21,7 +21,7 @@ CLIENTS = 5
 def hosts(tmp_path, cache_dir, *, dp=0.0, sampling="poisson", **extra):
     """A client-by-client host and a batched host over the same 5 clients of unequal size (Dirichlet
     skew, batch 8: from one to several batches each)."""
-    from raysim.config.checks import make_method
+    from raysim.build import make_method
     from raysim.engine.hosts import ClientHost
     from raysim.engine.loop import prepare_data
 

@@ -25,7 +25,7 @@ def zoo_run(tmp_path, tag, method="fedproto", section=None, *, dp=0.0, participa
     """A short zoo run on digits (4 clients, 3 rounds, the tiny family: a CNN and a ResNet-4 with BatchNorm),
     inline unless `execution` says otherwise: results.csv without the wall clock, the last shared tensors,
     and every client's last checkpoint (private state and privacy state)."""
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.engine.loop import run
     from raysim.storage.store import StateStore
 
@@ -144,8 +144,7 @@ def test_methods_with_shared_modules_or_dropout_train_client_by_client():
     """Only methods whose clients' steps share nothing run on threads: FedGen (one generator module per host),
     the shared-small-model methods (one shared module per host), the homogeneous ones (one global module per
     host) and any family with dropout (masks from torch's global RNG) stay client by client."""
-    from raysim.config.checks import build_config, make_method
-
+    from raysim.build import build_config, make_method
     def independent(method, section=None):
         return make_method(build_config({"method": method, "data": {"dataset": "digits"}, method: section or {}})).independent_clients()
 
@@ -201,7 +200,7 @@ def test_seeded_builds_on_threads_get_their_own_seeds_init():
 
 
 def test_client_threads_must_be_at_least_zero():
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.errors import ConfigError
 
     with pytest.raises(ConfigError, match="client_threads .* must be >= 0"):
@@ -229,8 +228,7 @@ def test_inline_threads_and_ray_actors_are_bitwise_the_same(tmp_path, ray_sessio
 
 @pytest.mark.parametrize("method", ["fedtsp", "fedgh", "lgfedavg", "feddistill", "fedpcl", "alignfed", "local"])
 def test_every_other_independent_zoo_method_is_bitwise_the_same_on_two_threads(tmp_path, method):
-    from raysim.config.checks import build_config, make_method
-
+    from raysim.build import build_config, make_method
     assert make_method(build_config({"method": method, "data": {"dataset": "digits"}})).independent_clients()
     section = {"anchor_iters": 200} if method == "alignfed" else {}  # the server's anchors: 100,000 steps by default
     assert_bitwise(zoo_run(tmp_path, "one", method, section, client_threads=1),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from raysim.config.checks import build_config
+from raysim.build import build_config
 from raysim.engine import cluster
 from raysim.engine.cluster import AUTH_LOGGER, _quiet_auth_notice, init_ray, plan_hosts
 from raysim.errors import ConfigError

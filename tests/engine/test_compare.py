@@ -130,7 +130,7 @@ def test_every_shipped_table_spec_builds(tmp_path):
 def test_table_caption_names_each_rows_privacy_and_the_methods_backbone(tmp_path):
     """The caption of a table whose rows differ in dp.epsilon (the VPDR ablation's no-LDP row) lists every
     level instead of the first row's, and a method with its own backbone is named by it, not model.name."""
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.tools.compare import RunRecord, describe
 
     recs = []

@@ -134,7 +134,7 @@ def test_each_run_reserves_what_it_needs_and_the_progress_line_reads_its_round(t
     """An inline run: execution.num_threads CPUs in one bundle; a Ray-backend run: a placement group of a
     small bundle for its task, the server's (when it reserves anything) and one per client actor. The one
     progress line names each running run's latest round from its results.csv."""
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.tools.compare_ray import Progress, run_bundles, runs_that_fit
 
     inline = build_config({"execution": {"backend": "inline", "num_threads": 2}})

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from raysim.build import build_config, config_from_cli
 from raysim.config import parse_overrides
-from raysim.config.checks import build_config, config_from_cli
 from raysim.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,8 +38,7 @@ def test_yaml_file_plus_overrides(tmp_path):
     cfg = config_from_cli(str(f), ["data.beta=0.3"])
     assert (cfg.train.rounds, cfg.data.beta, cfg.dp.epsilon) == (7, 0.3, 2.0)
     # the resolved config round-trips through its YAML
-    from raysim.config.checks import config_from_yaml_text
-
+    from raysim.build import config_from_yaml_text
     assert config_from_yaml_text(cfg.to_yaml()).to_dict() == cfg.to_dict()
 
 
@@ -170,9 +169,8 @@ def test_defaults_have_one_source_and_the_config_notes_state_them():
     import dataclasses
     import re
 
+    from raysim.build import make_method
     from raysim.config import SECTIONS
-    from raysim.config.checks import make_method
-
     cfg = build_config({})
     assert make_method(cfg).train is cfg.train
     notes = (ROOT / "docs" / "reference" / "config.md").read_text()
@@ -247,8 +245,8 @@ def test_shipped_sweep_and_table_files_use_sectioned_keys(caplog, tmp_path, monk
 
     import yaml
 
+    from raysim.build import build_config
     from raysim.config import load as config_load
-    from raysim.config.checks import build_config
     from raysim.tools.compare import plan, spec_from_args
     from raysim.tools.sweep import load_sweep, validate_sweep
 

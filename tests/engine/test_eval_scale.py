@@ -72,7 +72,7 @@ def test_sample_is_the_same_every_round_and_written_in_results_and_summary(tmp_p
 
 
 def _test_sizes(cfg):
-    from raysim.config.checks import make_method
+    from raysim.build import make_method
     from raysim.engine.loop import prepare_data
 
     return prepare_data(cfg, make_method(cfg).needs(), progress=False).test_idx
@@ -94,7 +94,7 @@ def test_bad_eval_clients_is_refused_with_exit_2(tmp_path, capsys, value):
 
 
 def _trained_backend(cfg, rounds=1):
-    from raysim.config.checks import make_method
+    from raysim.build import make_method
     from raysim.engine.backends import BACKENDS
     from raysim.engine.loop import prepare_data
     from raysim.sampling import participants
@@ -191,8 +191,7 @@ def test_a_declared_global_predictor_is_the_same_for_every_client(tmp_path, name
         a = host.method.predictor(host.env, shared, host.private[0], d0)(x, *extra)
         b = host.method.predictor(host.env, shared, host.private[1], d1)(x, *extra)
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6)  # one model, the same inputs: equal up to kernel rounding
-    from raysim.config.checks import make_method, method_options
-
+    from raysim.build import make_method, method_options
     if hasattr(method_options(cfg), "finetune_epochs"):
         ft = config(tmp_path / "ft", name, **{name: {**_fast(name), "finetune_epochs": 1}})
 

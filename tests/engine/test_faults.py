@@ -15,7 +15,7 @@ def _rounds(cfg, kill=None):
     (stages "setup" after a Step 0, "trained" and "committed"), and inside train_round after each of its phases has answered on
     every host ("release" and "train" for a release_first method; "train" otherwise).
     Returns what the driver saw and every client's final private state."""
-    from raysim.config.checks import make_method
+    from raysim.build import make_method
     from raysim.engine.backends import RayBackend
     from raysim.engine.loop import prepare_data
     from raysim.sampling import participants

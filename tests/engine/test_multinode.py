@@ -167,7 +167,7 @@ assert len(nodes) == 2, nodes
 tick("two nodes up")
 
 # 1. one federation through address=: RayBackend connects itself; 2 client actors x 1 CPU on 2 nodes x 1 CPU
-from raysim.config.checks import build_config
+from raysim.build import build_config
 from raysim.engine.loop import run
 seen = {}
 def on_round(row):

@@ -65,7 +65,7 @@ def test_summary_is_the_best_round_with_its_global_accuracy(tmp_path):
 def test_a_run_with_the_fedtsp_protocol_reports_it(tmp_path, cache_dir):
     import csv
 
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.engine.loop import run
 
     cfg = build_config({
@@ -94,7 +94,7 @@ def test_a_run_with_the_fedtsp_protocol_reports_it(tmp_path, cache_dir):
 
 
 def test_unknown_protocol_is_refused_with_the_choices():
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.errors import ConfigError
 
     with pytest.raises(ConfigError, match="fedtsp"):

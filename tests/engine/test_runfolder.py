@@ -85,8 +85,7 @@ def test_the_audit_finds_every_attack_module_through_the_registry():
 
 def test_attacks_apply_by_the_methods_declared_hooks(finished):
     from raysim.attacks import attacks
-    from raysim.config.checks import build_config
-
+    from raysim.build import build_config
     prompt = RunFolder(finished)  # PromptFL: a prompt upload that declares loss_parts
     assert {a.name for a in attacks() if a.applies(prompt, prompt.method)} == {"update_mia", "gradient_inversion"}
     proto_cfg = build_config({"method": "fedproto", "data": {"dataset": "digits"}, "fedproto": {"model_family": "tiny"}})

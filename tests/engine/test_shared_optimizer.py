@@ -54,8 +54,8 @@ def test_carried_state_continues_one_sgd_across_clients():
 
 
 def _host(tmp_path, cache_dir, name, *, state, dp=0.0, resume_round=-1):
+    from raysim.build import make_method
     from raysim.config import merge_config
-    from raysim.config.checks import make_method
     from raysim.engine.hosts import ClientHost
     from raysim.engine.loop import prepare_data
 

@@ -18,8 +18,7 @@ EPS, DELTA = 1.0, 1e-5
 
 
 def _config(out):
-    from raysim.config.checks import build_config
-
+    from raysim.build import build_config
     return build_config({
         "method": "fedtsp", "data": {"dataset": "digits", "partition": "dirichlet", "beta": 0.5, "shots": 4},
         "model": {"name": "raysim-tiny", "pretrained": ""}, "train": {"num_clients": 2, "rounds": 2},

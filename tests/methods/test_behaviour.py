@@ -36,8 +36,7 @@ _SETTINGS: dict[tuple[str, str], "Setting"] = {}
 
 
 def build(tmp_path, name: str, **extra: Any):
-    from raysim.config.checks import build_config
-
+    from raysim.build import build_config
     values: dict[str, Any] = {
         "method": name,
         "data": {"dataset": "digits", "shots": 8},
@@ -58,7 +57,7 @@ class Setting:
     """One method on the tiny setting: its hosts, round 0's uploads, and the state after aggregating them."""
 
     def __init__(self, tmp_path, name: str, **extra: Any) -> None:
-        from raysim.config.checks import make_method
+        from raysim.build import make_method
         from raysim.engine.hosts import ClientHost, ServerHost
         from raysim.engine.loop import prepare_data
 

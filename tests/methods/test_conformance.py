@@ -39,8 +39,7 @@ FAST = {
 
 
 def config(tmp_path, name, **extra):
-    from raysim.config.checks import build_config
-
+    from raysim.build import build_config
     values = {
         "method": name,
         "data": {"dataset": "digits", "shots": 8},
@@ -57,7 +56,7 @@ def config(tmp_path, name, **extra):
 
 
 def hosts(cfg, out_dir):
-    from raysim.config.checks import make_method
+    from raysim.build import make_method
     from raysim.engine.hosts import ClientHost, ServerHost
     from raysim.engine.loop import prepare_data
 

@@ -59,7 +59,7 @@ def test_server_noise_measured_from_recorded_updates_is_sigma_C_over_B_K(tmp_pat
 
 
 def test_each_round_runs_its_lock_steps_and_the_ledger_says_not_local_dp(tmp_path, cache_dir):
-    from raysim.config.checks import make_method
+    from raysim.build import make_method
     from raysim.engine.loop import prepare_data
     from raysim.sampling import batches_per_epoch
 

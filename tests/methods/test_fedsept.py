@@ -231,8 +231,7 @@ def test_cache_uncached_and_fusion_semantics(env):
 
 
 def test_options_are_validated_and_the_probe_is_inert_with_one_key():
-    from raysim.config.checks import build_config, method_options
-
+    from raysim.build import build_config, method_options
     assert method_options(build_config(dict(method="fedsept", fedsept={"router": "patch"}))).router == "patch"
     assert method_options(build_config(dict(method="fedsept", fedsept={"rank": 8}))).rank == 8
     for bad in (dict(experts=0), dict(variant="moe"), dict(fusion="x"), dict(div_reduction="max"), dict(lambda_gate=-1)):
@@ -261,7 +260,7 @@ def test_options_are_validated_and_the_probe_is_inert_with_one_key():
 
 
 def test_engine_run_with_dp_stays_within_budget(tmp_path):
-    from raysim.config.checks import build_config, method_options
+    from raysim.build import build_config, method_options
     from raysim.engine.loop import run
 
     cfg = build_config(

@@ -84,7 +84,7 @@ def test_expert_selection_picks_the_nearest_uploaded_others():
 
 
 def _hosts(tmp_path, cache_dir, method, **extra):
-    from raysim.config.checks import make_method
+    from raysim.build import make_method
     from raysim.engine.hosts import ClientHost, ServerHost
     from raysim.engine.loop import prepare_data
 
@@ -225,7 +225,7 @@ def test_dpfpl_reference_clips_the_batch_gradient_not_each_example():
 
 
 def test_dpfpl_reference_mode_is_refused_at_client_level():
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.errors import ConfigError
 
     with pytest.raises(ConfigError, match="dp.level=sample"):

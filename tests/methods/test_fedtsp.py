@@ -261,7 +261,7 @@ def test_private_variant_end_to_end_shows_its_epsilon(tmp_path):
     release and the class means / counts; the old fedtsp.dp_epsilon key is refused with the new name."""
     import csv
 
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.engine.loop import run
     from raysim.errors import ConfigError
     from raysim.storage.store import StateStore
@@ -316,7 +316,7 @@ def test_baselines_end_to_end(tmp_path, method, section):
     leaves room for kernels that round differently)."""
     import numpy as np
 
-    from raysim.config.checks import build_config, make_method
+    from raysim.build import build_config, make_method
     from raysim.engine.loop import prepare_data
 
     res, rows = run_on_digits(tmp_path, method, section, rounds=2, clients=3)

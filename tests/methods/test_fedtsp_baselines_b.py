@@ -381,8 +381,7 @@ def test_only_declared_tensors_leave_and_client_level_dp_noises_them(name):
     assert set(noised) == set(up)
     assert any(not torch.allclose(noised[k], raw.upload[k]) for k in noised)
     assert 0 < host.epsilon(0) <= 4.0 * (1 + 1e-6)
-    from raysim.config.checks import build_config
-
+    from raysim.build import build_config
     with pytest.raises(ConfigError, match="dp.level=client"):
         build_config({"method": name, "dp": {"epsilon": 4.0, "level": "sample"}, name: {"model_family": "tiny"}})
 

@@ -82,7 +82,7 @@ def test_fedtsp_protocol_collects_fedprotos_means_as_htfllib():
 def test_fedtsp_table_spec_evaluates_fedproto_and_fedtgp_by_head(tmp_path, spec):
     """The table spec's own settings, as `raysim compare` builds them: FedProto and FedTGP predict with the
     client's head (the FedTSP code), FedProto's server mean is uniform (the fork's proto_aggregation)."""
-    from raysim.config.checks import make_method
+    from raysim.build import make_method
     from raysim.tools.compare import plan, spec_from_args
 
     s, _ = spec_from_args([str(ROOT / "benchmarks" / "tables" / spec)])

@@ -169,7 +169,7 @@ def test_finetuning_changes_only_the_private_head_never_the_upload(name, servers
 
 
 def test_options_are_validated():
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.errors import ConfigError
 
     with pytest.raises(ConfigError, match="fedavg.model"):

@@ -152,7 +152,7 @@ def test_split_mode_gives_a_client_without_descriptions_its_whole_budget_for_the
 def test_split_mode_with_a_pure_dp_prototype_mechanism_is_refused_at_config_time():
     """VPP's Laplace top-k spends epsilon itself, which a Gaussian budget share cannot calibrate: the run stops
     before it starts (not at the first release), saying what to choose."""
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.errors import ConfigError
 
     args = {"method": "fedtsp", "dp": {"epsilon": 1.0, "prototypes": "vpp"}, "data": {"dataset": "digits"},
@@ -199,7 +199,7 @@ def test_paper_mode_run_says_what_its_epsilon_covers(tmp_path):
     within dp.epsilon; the other clients spend nothing) and summary.md says it covers the descriptions only."""
     import csv
 
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.engine.loop import run
 
     cfg = build_config({
@@ -217,7 +217,7 @@ def test_paper_mode_run_says_what_its_epsilon_covers(tmp_path):
 def test_table4_spec_runs_the_papers_mechanism_and_the_default(tmp_path):
     from pathlib import Path
 
-    from raysim.config.checks import make_method
+    from raysim.build import make_method
     from raysim.tools.compare import plan, spec_from_args
 
     s, _ = spec_from_args([str(Path(__file__).resolve().parents[2] / "benchmarks" / "tables" / "fedtsp_table4.yaml")])
@@ -298,7 +298,7 @@ def test_code_mode_noises_the_unclipped_embedding_and_records_no_epsilon():
     """fedtsp.dp_budget=code, the authors' clip_base_v2_dp.py: Eq. 11's sigma added to the unclipped
     embedding (by hand on the seeded stream); the ledger holds one invalid release with epsilon inf and the
     claimed epsilon beside it, and what the run prints says it is not a guarantee."""
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.engine.loop import privacy_scope
     from raysim.privacy.accountant import classic_gaussian_multiplier
     from raysim.sampling import generator
@@ -365,8 +365,7 @@ def test_text_from_client_without_dp_sends_the_clean_embedding_at_the_clean_end_
 
 
 def _step0_config(tmp_path, name: str, *, rounds: int = 2, dp: float = math.inf, **fedtsp):
-    from raysim.config.checks import build_config
-
+    from raysim.build import build_config
     return build_config({
         "method": "fedtsp", "data": {"dataset": "digits", "partition": "dirichlet", "beta": 0.5, "shots": 4},
         "model": {"name": "raysim-tiny", "pretrained": ""}, "train": {"num_clients": 2, "rounds": rounds},

@@ -339,7 +339,7 @@ def test_only_declared_tensors_leave_the_client(name):
     ("fedpac", {"qp_iters": 200}),
 ])
 def test_end_to_end_on_ray(tmp_path, cache_dir, ray_session, name, section):
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.engine.loop import run
     from raysim.storage.store import StateStore
 

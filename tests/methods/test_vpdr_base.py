@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
+from raysim.build import build_config
 from raysim.config import DPConfig
-from raysim.config.checks import build_config
 from raysim.errors import ConfigError
 
 
@@ -54,16 +54,14 @@ def rows(path, drop=("seconds",)):
 @pytest.mark.parametrize("privacy,mech,dcr", [("igpp", "igpp", False), ("vpp", "vpp", False), ("dcr", "igpp", True),
                                               ("vpdr", "vpp", True), ("auto", "igpp", False)])
 def test_privacy_knob_maps_onto_the_hosts_mechanisms_and_dcr(tmp_path, cache_dir, backbone, privacy, mech, dcr):
-    from raysim.config.checks import make_method
-
+    from raysim.build import make_method
     m = make_method(build_config(values(tmp_path, cache_dir, privacy, backbone=backbone)))
     assert m.dp.prototypes == mech and m.dcr is dcr
     assert m.client_metrics == ("loss", "ce", "proto", "kd")
 
 
 def test_privacy_none_is_no_ldp(tmp_path, cache_dir, backbone):
-    from raysim.config.checks import make_method
-
+    from raysim.build import make_method
     m = make_method(build_config(values(tmp_path, cache_dir, "none", backbone=backbone)))
     assert not m.dp.enabled and not m.dcr
 
@@ -158,7 +156,7 @@ def test_fedproto_server_holders_renormalised_and_the_codes_all_clients_rule():
 
 # ------------------------------------------------------------------------------------------ DCR on a client
 def _client(tmp_path, cache_dir, backbone, privacy, **section):
-    from raysim.config.checks import make_method
+    from raysim.build import make_method
     from raysim.engine.hosts import ClientHost, ServerHost
     from raysim.engine.loop import prepare_data
 
@@ -206,7 +204,7 @@ def test_round_order_is_spec_3_4_release_aggregate_then_train(tmp_path, cache_di
     that aggregate of round r, never the previous one; training uploads nothing."""
     import copy
 
-    from raysim.config.checks import make_method
+    from raysim.build import make_method
     from raysim.engine.backends import InlineBackend
     from raysim.engine.loop import prepare_data
     from raysim.methods.base import initial_private

@@ -11,7 +11,7 @@ from typing import Any
 def ray_zoo_run(tmp_path, name: str, section: dict[str, Any], *, out: str, num_actors: int):
     """Two rounds, three clients, Dirichlet 0.5 on digits, the raysim-tiny model, eval every round, on Ray
     with `num_actors` actors and `record_uploads`; returns the RunResult and the rows of client_results.csv."""
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.engine.loop import run
 
     cfg = build_config({

@@ -97,8 +97,7 @@ def test_text_towers_already_use_sdpa(model, pretrained):
 
 
 def test_config_keys_reach_the_tower_and_are_validated(tmp_path):
-    from raysim.config.checks import build_config, env_spec, validate
-
+    from raysim.build import build_config, env_spec, validate
     cfg = build_config({"model": {"name": "raysim-tiny", "pretrained": ""}, "execution": {"autocast": "bf16", "backend": "inline"}})
     validate(cfg)
     spec = env_spec(cfg, NAMES)

@@ -298,8 +298,7 @@ def _method(releases, **extra):
 
 
 def test_check_method_refuses_a_prototype_mechanism_for_a_method_without_prototypes():
-    from raysim.config.checks import build_config
-
+    from raysim.build import build_config
     with pytest.raises(ConfigError) as err:
         build_config({"method": "promptfl", "dp": {"epsilon": 1.0, "prototypes": "vpp"}})
     assert str(err.value) == ("dp.prototypes=vpp chooses how prototypes are released, but promptfl releases no prototypes; "
@@ -320,7 +319,7 @@ def test_check_method_names_the_method_in_a_refusal_and_needs_no_budget_shares()
 
 
 def test_check_method_refuses_budget_shares_over_a_release_with_a_pure_dp_part():
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.privacy.mechanisms import BudgetShare
 
     with pytest.raises(ConfigError) as err:

@@ -50,8 +50,7 @@ def test_classic_epsilon_is_the_closed_form_and_never_below_the_tight_one():
 
 
 def test_classic_needs_rdp_and_unknown_conversions_are_refused():
-    from raysim.config.checks import build_config
-
+    from raysim.build import build_config
     with pytest.raises(ConfigError, match="dp.accountant=rdp"):
         build_config({"method": "vpdr_fedproto", "dp": {"epsilon": 1.0, "conversion": "classic", "accountant": "prv"}})
     with pytest.raises(ConfigError, match="dp.conversion must be one of"):
@@ -86,7 +85,7 @@ def test_a_vpdr_run_under_classic_records_specs_sigma(tmp_path, prototypes, want
     """A real run (vpdr_fedproto on digits4, T = 20 rounds, epsilon 1, the VPDR specs' dp.conversion=classic):
     the multiplier its clients calibrated and the ledgers' releases carry SPEC's value, and the epsilon it
     prints is the classic bound of what the ledger holds, within the target."""
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.engine.loop import run
     from raysim.storage.store import StateStore
 

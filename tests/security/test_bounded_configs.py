@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 
-from raysim.config.checks import MAX_CLIENTS, MAX_ROUNDS, build_config
+from raysim.build import build_config
+from raysim.config.limits import MAX_CLIENTS, MAX_ROUNDS
 from raysim.engine.loop import eval_rounds, run
 from raysim.errors import ConfigError
 

@@ -56,7 +56,7 @@ def test_an_alias_bomb_is_refused_by_every_front_door_in_bounded_memory(tmp_path
     code = f"""
 import resource, sys
 from raysim.tools.cli import main
-import raysim.tools.run, raysim.tools.compare, raysim.tools.sweep, raysim.config.checks, raysim.engine.loop, raysim.tools.estimate
+import raysim.tools.run, raysim.tools.compare, raysim.tools.sweep, raysim.build, raysim.engine.loop, raysim.tools.estimate
 vm = int(next(l for l in open('/proc/self/status') if l.startswith('VmSize')).split()[1]) * 1024
 resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), vm + (1 << 30)))
 d = {str(tmp_path)!r}
@@ -100,8 +100,7 @@ def test_no_yaml_reader_of_raysim_bypasses_the_no_alias_loader():
 
 def test_a_config_yaml_with_a_repeated_value_reads_back():
     """config.yaml is dumped without anchors (the loader that reads it back refuses aliases)."""
-    from raysim.config.checks import build_config
-
+    from raysim.build import build_config
     shared = ["a photo of a", "a picture of a"]
     cfg = build_config({"method": "promptfl", "train": {"rounds": 2}})
     d = cfg.to_dict()
@@ -135,7 +134,7 @@ def test_a_huge_value_in_any_string_or_list_key_is_named_not_echoed():
     import dataclasses
     import typing
 
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.config.schema import SECTIONS
 
     huge_text, huge_list = "q" * 1_000_000, ["q"] * 100_000
@@ -503,7 +502,7 @@ def test_a_full_disk_in_tensorboard_s_writer_thread_prints_no_thread_traceback(t
 
 
 def test_results_rows_past_the_last_completed_round_are_ignored_with_a_warning_naming_the_file(tmp_path, caplog):
-    from raysim.config.checks import build_config
+    from raysim.build import build_config
     from raysim.storage.runfolder import RunFolder
 
     run = tmp_path / "run"

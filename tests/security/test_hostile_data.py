@@ -210,7 +210,7 @@ def test_a_bad_count_in_config_json_is_refused_naming_it(tmp_path, value, key):
 
 
 def test_the_folder_caps_are_the_configs():
-    from raysim.config.checks import MAX_CLIENTS
+    from raysim.config.limits import MAX_CLIENTS
     from raysim.data.pfllib_folder import MAX_FOLDER_CLIENTS
 
     assert MAX_FOLDER_CLIENTS == MAX_CLIENTS

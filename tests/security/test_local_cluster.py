@@ -20,7 +20,7 @@ ENV = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHO
 DRIVER = """
 import json, os, sys
 from sockets import descendants, listening
-from raysim.config.checks import build_config
+from raysim.build import build_config
 from raysim.engine.loop import run
 out, report = sys.argv[1], sys.argv[2]
 seen = {}
@@ -80,7 +80,7 @@ def test_a_local_ray_run_listens_only_on_loopback_and_leaves_no_process(tmp_path
 # a Ray-backend run on a new local cluster, slowed so that the test can kill its driver mid-run
 KILLED = """
 import sys, time
-from raysim.config.checks import build_config
+from raysim.build import build_config
 from raysim.engine.loop import run
 out, cache, resume = sys.argv[1], sys.argv[2], sys.argv[3]
 def slow(row):

@@ -7,7 +7,7 @@ import pytest
 import yaml
 from conftest import tiny_config
 
-from raysim.config.checks import build_config, config_from_cli
+from raysim.build import build_config, config_from_cli
 from raysim.engine.loop import run
 from raysim.errors import ConfigError, DataError
 from raysim.storage.runfolder import RunFolder

@@ -13,8 +13,8 @@ from conftest import tiny_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from raysim.build import build_config, config_from_cli
 from raysim.config import flatten
-from raysim.config.checks import build_config, config_from_cli
 from raysim.config.load import parse_user_overrides
 from raysim.engine.loop import run
 from raysim.errors import RaysimError
