@@ -44,7 +44,7 @@ def test_inline_run_writes_every_output(tmp_path, cache_dir):
 
 def test_same_seed_same_results_inline_ray_and_pool_sizes(tmp_path, cache_dir, ray_session):
     # bitwise, client by client (execution.batch_clients=false); the default, client-batched, is held bitwise
-    # across inline and 1, 2, 3 Ray actors by tests/engine/test_batched_across_hosts.py
+    # across inline and 1 and 3 Ray actors by tests/engine/test_batched_across_hosts.py
     base = dict(train={"participation": 0.5, "rounds": 3}, execution={"batch_clients": False})
     ref = read_rows(run(tiny_config(tmp_path / "inline", cache_dir, **base)).out_dir / "results.csv")
     ref_clients = read_rows(tmp_path / "inline" / "run" / "client_results.csv")

@@ -11,18 +11,20 @@ from conftest import tiny_config
 
 
 def _rounds(cfg, kill=None):
-    """The engine's round loop on a RayBackend, with `kill(backend, round, stage)` between the calls
+    """The engine's round loop on the config's backend (the fault-free reference runs inline: the engine's
+    results are bitwise the same on every backend, tests/engine/test_engine.py, and an inline reference costs
+    no actors), on a RayBackend with `kill(backend, round, stage)` between the calls
     (stages "setup" after a Step 0, "trained" and "committed"), and inside train_round after each of its phases has answered on
     every host ("release" and "train" for a release_first method; "train" otherwise).
     Returns what the driver saw and every client's final private state."""
     from raysim.build import make_method
-    from raysim.engine.backends import RayBackend
+    from raysim.engine.backends import InlineBackend, RayBackend
     from raysim.engine.loop import prepare_data
     from raysim.sampling import participants
     from raysim.storage.store import StateStore
 
     data = prepare_data(cfg, make_method(cfg).needs(), progress=False)
-    b = RayBackend(cfg, data, cfg.output.out_dir, -1)
+    b = (RayBackend if cfg.execution.backend == "ray" else InlineBackend)(cfg, data, cfg.output.out_dir, -1)
     if kill:
         phase = b._phase
 
@@ -52,14 +54,14 @@ def _rounds(cfg, kill=None):
         b.shutdown()
     store = StateStore(cfg.output.out_dir)
     private = {c: store.load_client(c, cfg.train.rounds)["private"] for c in range(cfg.train.num_clients)}
-    return seen, private, b.restarts
+    return seen, private, getattr(b, "restarts", 0)
 
 
 def test_dead_actors_are_replaced_with_identical_results(tmp_path, cache_dir, ray_session):
     opts = dict(execution={"backend": "ray", "num_actors": 2}, train={"rounds": 3, "n_ctx": 4}, method="fedsept", fedsept={"rank": 8},
                 **{"dp": {"epsilon": 2.0}})
-    ref, ref_private, none = _rounds(tiny_config(tmp_path / "ref", cache_dir, **opts))
-    assert none == 0
+    inline = {**opts, "execution": {**opts["execution"], "backend": "inline"}}
+    ref, ref_private, _ = _rounds(tiny_config(tmp_path / "ref", cache_dir, **inline))
 
     def kill(b, r, stage):
         if (r, stage) == (0, "committed"):  # between rounds: the next train call finds it dead
@@ -122,8 +124,8 @@ def test_dead_actors_mid_round_of_a_release_first_method_leave_results_unchanged
                 train={"num_clients": 4, "rounds": 2, "batch_size": 64, "local_epochs": 1},
                 execution={"backend": "ray", "num_actors": 2, "max_actor_restarts": 4}, eval={"protocol": "vpdr"},
                 dp={"epsilon": 1.0, "prototypes": "vpp"}, vpdr_fedproto={"dcr": True, "backbone": tiny_vit})
-    ref, ref_private, none = _rounds(tiny_config(tmp_path / "ref", cache_dir, **opts))
-    assert none == 0
+    inline = {**opts, "execution": {**opts["execution"], "backend": "inline"}}
+    ref, ref_private, _ = _rounds(tiny_config(tmp_path / "ref", cache_dir, **inline))
 
     def kill(b, r, stage):
         if (r, stage) == (0, "release"):  # released, not yet trained: the train call finds it dead

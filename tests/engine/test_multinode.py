@@ -219,6 +219,31 @@ def drive(two_nodes, tmp_path, cache_dir) -> subprocess.CompletedProcess:
 NODE_LOST = ("has been marked dead", "Raylet is terminated", "ActorDiedError")  # a node went, not a wrong result
 
 
+def with_one_retry(two_nodes, attempt_run, what: str) -> subprocess.CompletedProcess:
+    """`attempt_run(attempt)` (a driver subprocess), given one retry on fresh nodes when the machine failed it:
+    the driver hung past its timeout, or a node was lost (NODE_LOST). The first failure is a warning with the
+    driver's output and the nodes' logs; a second one, or any other failure, is the caller's to assert on."""
+    text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+    for attempt in (1, 2):
+        try:
+            proc = attempt_run(attempt)
+        except subprocess.TimeoutExpired as e:
+            if attempt == 2:
+                raise AssertionError(f"{what}: the driver hung twice\n{text(e.stdout)[-3000:]}\n{text(e.stderr)[-6000:]}\n"
+                                     f"{two_nodes.logs()}") from None
+            warnings.warn(f"{what}: the driver timed out once; retrying on fresh nodes.\nstdout:\n{text(e.stdout)[-3000:]}\n"
+                          f"stderr:\n{text(e.stderr)[-8000:]}\nnode logs:\n{two_nodes.logs()}", stacklevel=2)
+        else:
+            lost = proc.returncode != 0 and any(m in proc.stdout + proc.stderr for m in NODE_LOST)
+            if not lost or attempt == 2:
+                return proc
+            warnings.warn(f"{what}: a node was lost once; retrying on fresh nodes.\nstdout:\n{proc.stdout[-3000:]}\n"
+                          f"stderr:\n{proc.stderr[-8000:]}\nnode logs:\n{two_nodes.logs()}", stacklevel=2)
+        two_nodes.stop()
+        two_nodes.start()
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 def test_federation_and_sweep_on_two_nodes(two_nodes, tmp_path, cache_dir):
     # Two failures of the machine, not of raysim, get one retry each, on fresh nodes: (1) stop 36, the driver
     # printed the sweep's start and nothing after it for 400 s of a 420 s limit (not reproduced in 8 runs here);
@@ -226,25 +251,7 @@ def test_federation_and_sweep_on_two_nodes(two_nodes, tmp_path, cache_dir):
     # on a 2-core CI machine under load (alone here the test passes in ~45 s). Both are reported as a warning
     # with the driver's output (its watchdog says where a hang stood) and the nodes' logs; a second failure, or
     # any wrong result, fails the test.
-    text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
-    for attempt in (1, 2):
-        run_dir = tmp_path / str(attempt)
-        try:
-            proc = drive(two_nodes, run_dir, cache_dir)
-        except subprocess.TimeoutExpired as e:
-            if attempt == 2:
-                raise AssertionError(f"the driver hung twice\n{text(e.stdout)[-3000:]}\n{text(e.stderr)[-6000:]}\n"
-                                     f"{two_nodes.logs()}") from None
-            warnings.warn(f"multinode driver timed out once; retrying on fresh nodes.\nstdout:\n{text(e.stdout)[-3000:]}\n"
-                          f"stderr:\n{text(e.stderr)[-8000:]}\nnode logs:\n{two_nodes.logs()}", stacklevel=1)
-        else:
-            lost = proc.returncode != 0 and any(m in proc.stdout + proc.stderr for m in NODE_LOST)
-            if not lost or attempt == 2:
-                break
-            warnings.warn(f"multinode: a node was lost once; retrying on fresh nodes.\nstdout:\n{proc.stdout[-3000:]}\n"
-                          f"stderr:\n{proc.stderr[-8000:]}\nnode logs:\n{two_nodes.logs()}", stacklevel=1)
-        two_nodes.stop()
-        two_nodes.start()
+    proc = with_one_retry(two_nodes, lambda attempt: drive(two_nodes, tmp_path / str(attempt), cache_dir), "multinode")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, (f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}\n"
                                             f"{two_nodes.logs()}")
@@ -261,4 +268,5 @@ def test_federation_and_sweep_on_two_nodes(two_nodes, tmp_path, cache_dir):
     # the sweep's trials all completed, and their client actors also used both nodes
     assert res["sweep_errors"] == 0 and [r["status"] for r in res["sweep_rows"]] == ["completed", "completed"]
     assert sorted(res["sweep_nodes"]) == sorted(res["nodes"])
+    run_dir = tmp_path / ("2" if (tmp_path / "2").exists() else "1")  # the attempt that gave `proc`
     assert (run_dir / "sweeps" / "multinode" / "trials.csv").is_file()
