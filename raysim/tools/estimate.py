@@ -171,8 +171,24 @@ def client_forward_flops(cfg: Any) -> list[float] | None:
     from raysim.models.zoo import arch_of
 
     size = IMAGE_SIZE.get(cfg.data.dataset, 32)
-    dim = int(getattr(opts, "feature_dim", 512) or 512)
+    dim = int(getattr(opts, "feature_dim", 0) or 0) or _plm_width(cfg, opts)
     return [cnn_forward_flops(arch_of(fam, k) if fam else str(arch), dim, classes, size) for k in range(K)]
+
+
+def _plm_width(cfg: Any, opts: Any) -> int:
+    """FedTSP's feature_dim 0 means the PLM's width: read from its config (no weights), when the dry run can
+    reach it; 768 (BERT-base, the paper's) for a BERT folder not on this machine; 512 for the other methods.
+    The width sizes only the pooled feature and the head, a small share of a client's FLOPs."""
+    kind = getattr(opts, "plm", "")
+    if not kind:
+        return 512
+    from raysim.errors import ConfigError
+    from raysim.models.plm import plm_output_dim
+
+    try:
+        return plm_output_dim(kind, model=cfg.model.name, path=str(getattr(opts, "plm_path", "")))
+    except (ConfigError, OSError, ValueError):
+        return 768 if kind == "bert" else 512
 
 
 def estimate_models(cfg: Any, forward: list[float]) -> dict[str, float]:

@@ -159,6 +159,24 @@ def test_zoo_flops_counted_on_the_meta_device_equal_the_real_models():
         assert cnn_forward_flops(arch, 512, classes, size) == counter.get_total_flops() > 0, arch
 
 
+def test_fedtsp_clients_are_counted_at_the_plms_width():
+    """feature_dim 0 is the PLM's width: BERT MiniLM's 384 (read from the folder's config), BERT-base's 768 for
+    a folder that is not on this machine, an explicit feature_dim as given (was: 512 for every PLM)."""
+    from raysim.build import build_config
+    from raysim.models.zoo import arch_of
+    from raysim.tools.estimate import client_forward_flops, cnn_forward_flops
+
+    def counted(**fedtsp):
+        cfg = build_config({"method": "fedtsp", "data": {"dataset": "digits"}, "train": {"num_clients": 2},
+                            "fedtsp": {"model_family": "tiny", "plm": "bert", **fedtsp}})
+        return client_forward_flops(cfg)
+
+    for width, opts in ((384, {}), (768, {"plm_path": "/nonexistent/bert-base-uncased"}), (768, {"feature_dim": 768})):
+        want = [cnn_forward_flops(arch_of("tiny", k), width, 10, 32) for k in range(2)]
+        assert counted(**opts) == want, (width, opts)
+    assert counted() != [cnn_forward_flops(arch_of("tiny", k), 512, 10, 32) for k in range(2)]
+
+
 def test_vit_forward_flops_match_the_published_vit_s16_count():
     from raysim.tools.estimate import vit_forward_flops
 
