@@ -236,16 +236,18 @@ class DPFPL(ClipPromptMethod):
         tag = _round_tag(rng)
         st: dict[str, Any] = private.get("lockstep") or {}
         if st.get("tag") != tag:  # a new round: fresh optimiser state (SPEC 1.7 [decide]), a fresh epoch
-            st = {"tag": tag, "step": 0, "order": [], "momentum": None}
+            st = {"tag": tag, "step": 0, "order": [], "momentum": None, "epoch": -1}
         step_rng = generator(tag, "client-step", st["step"])
         if not st["order"]:  # the epoch's batches (fixed-size, shuffled: the code's loaders)
             st["order"] = list(privacy.batches(data.num_train, self.train.batch_size, step_rng))
+            st["epoch"] = int(st.get("epoch", -1)) + 1
         idx = st["order"].pop(0)
         X = self._local(env, private)  # the code's local_ctx
         U, V, S = factorize(X, self.rank(env), generator(tag, "refactorize", st["step"]))  # every forward
         G = shared["global_ctx"].clone().to(env.device).requires_grad_(True)
         U, V = U.requires_grad_(True), V.requires_grad_(True)
-        x, y = data.x_train[idx].to(env.device), data.y_train[idx].to(env.device)
+        # the epoch's inputs: under data.augment each image's drawn view of this epoch, as the other modes read them
+        x, y = data.train_batch(idx, st["epoch"], device=env.device), data.y_train[idx].to(env.device)
         text = env.prompts.text_features(self.prompt(G, U, V, S))
         loss = F.cross_entropy(self.logits(env, x, text), y, reduction="none")
         privacy.backward(loss, dp_params={"global_grad": G}, other_params=[U, V])

@@ -30,13 +30,15 @@ def write_pacs(root, per_class: int = 5, size: int = 24) -> str:
     return str(root)
 
 
-def pacs_config(tmp_path, cache_dir, *, method="promptfl", epochs=1, **data):
+def pacs_config(tmp_path, cache_dir, *, method="promptfl", epochs=1, options=None, **data):
     root = tmp_path / "data"
     if not (root / "PACS").is_dir():
         write_pacs(root)
     # FedPGP's contrast (weight 100) reads no image and, on random tiny CLIP weights, moves its context ~1e7 times
     # more than the CE term: weight 0 here so the image-dependent term is what the view tests see
     extra = {k: v for k, v in {"fedsept": {"rank": 4}, "fedpgp": {"weight": 0.0}}.items() if k == method}
+    if options:  # the method's own section
+        extra[method] = {**extra.get(method, {}), **options}
     return tiny_config(tmp_path, cache_dir, method=method, **extra,
                        data={"dataset": "pacs", "data_root": str(root), "partition": "iid", "shots": 0, "augment_views": 3, **data},
                        train={"num_clients": 2, "rounds": 2, "batch_size": 8, "local_epochs": epochs})
@@ -243,3 +245,39 @@ def test_every_prompt_method_trains_each_epoch_on_that_epochs_view(tmp_path, cac
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)  # the same inputs and streams: float noise at most
     assert max(float((c[k] - a[k]).abs().max()) for k in a) > 1e-4  # epoch 1's own views change the update
+
+
+def test_dpfpl_reference_lock_steps_read_each_epochs_view(tmp_path, cache_dir):
+    """DP-FPL's reference mode trains one batch per call (a lock-step): past its first epoch's batches it reads
+    epoch 1's drawn views (it read x_train, epoch 0's, in every epoch before). The lock-steps of one round, run
+    on the drawn data, equal those on a plain slice holding epoch 0's views while they stay in epoch 0, and
+    differ from it once epoch 1 begins."""
+    import copy
+    import dataclasses
+
+    from raysim.engine.hosts import ClientHost
+    from raysim.sampling import batches_per_epoch, generator
+
+    cfg = pacs_config(tmp_path, cache_dir, method="dpfpl", epochs=2, options={"dp_mode": "reference"})
+    data = prepared(cfg)
+    host = ClientHost(cfg, data, [0, 1], cfg.output.out_dir)
+    shared = host.method.init_shared(host.env, generator(cfg.train.seed, "server-init"))
+    drawn = host.data[0].for_round(cfg.train.seed, 0, epochs=2)
+    assert drawn.view_choice is not None and not torch.equal(drawn.view_choice[0], drawn.view_choice[1])
+    plain = dataclasses.replace(drawn, x_train=drawn.train_inputs(0)[0], views_train=None, token_views_train=None,
+                                view_choice=None)
+    per_epoch = batches_per_epoch(drawn.num_train, cfg.train.batch_size)
+
+    def lock_steps(d, n):
+        private, grads = copy.deepcopy(host.private_state(0)), []
+        for _ in range(n):
+            res = host.method.local_train(host.env, shared, private, d, rng=generator(cfg.train.seed, "train", 0, 0),
+                                          privacy=host.open_privacy(0, 0, shared))
+            private = {**private, **res.private}
+            grads.append(res.upload["global_grad"])
+        return grads
+
+    a, b = lock_steps(drawn, per_epoch + 1), lock_steps(plain, per_epoch + 1)
+    for s in range(per_epoch):  # epoch 0: the same inputs and streams, float noise at most
+        torch.testing.assert_close(a[s], b[s], rtol=0, atol=1e-6)
+    assert float((a[per_epoch] - b[per_epoch]).abs().max()) > 1e-4  # epoch 1's first batch: its own views
