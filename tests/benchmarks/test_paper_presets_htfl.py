@@ -315,3 +315,16 @@ def test_the_estimate_trains_on_the_kept_fraction_of_each_domain():
     assert sizes(cfg("vpdr_digits", 0.1)) == (10, 15054, 40039) and sizes(cfg("vpdr_digits", 1.0)) == (10, 150548, 40039)
     # steps: 20 rounds x 4 clients x 2 epochs x ceil(n / 4 / 256) batches
     assert estimate(cfg("pacs", 0.3))["steps"] == 20 * 4 * 2 * 3 and estimate(cfg("pacs", 1.0))["steps"] == 20 * 4 * 2 * 8
+
+
+def test_the_clip_miniature_of_table4_is_the_bert_one_with_the_codes_plm():
+    """benchmarks/tables/fedtsp_table4_clip.yaml is fedtsp_table4.yaml with the PLM of the code behind Table 4
+    (the paper preset's, CLIP) and nothing else changed, so the two tables compare the PLM alone."""
+    tables = ROOT / "benchmarks" / "tables"
+    bert, clip = (yaml.safe_load((tables / f"{n}.yaml").read_text()) for n in ("fedtsp_table4", "fedtsp_table4_clip"))
+    assert bert["setting"]["fedtsp"].pop("plm") == "bert"
+    preset = yaml.safe_load((PAPER / "fedtsp_table4.yaml").read_text())
+    assert clip["setting"]["fedtsp"].pop("plm") == preset["setting"]["fedtsp"]["plm"] == "clip"
+    assert "model" not in clip["setting"]  # the bundled default model's text tower: raysim-clip3 offline
+    del bert["title"], clip["title"]
+    assert bert == clip
