@@ -219,10 +219,11 @@ def drive(two_nodes, tmp_path, cache_dir) -> subprocess.CompletedProcess:
 NODE_LOST = ("has been marked dead", "Raylet is terminated", "ActorDiedError")  # a node went, not a wrong result
 
 
-def with_one_retry(two_nodes, attempt_run, what: str) -> subprocess.CompletedProcess:
+def with_one_retry(two_nodes, attempt_run, what: str) -> tuple[subprocess.CompletedProcess, int]:
     """`attempt_run(attempt)` (a driver subprocess), given one retry on fresh nodes when the machine failed it:
     the driver hung past its timeout, or a node was lost (NODE_LOST). The first failure is a warning with the
-    driver's output and the nodes' logs; a second one, or any other failure, is the caller's to assert on."""
+    driver's output and the nodes' logs; a second one, or any other failure, is the caller's to assert on.
+    Returns the last attempt's process and its number (1 or 2)."""
     text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
     for attempt in (1, 2):
         try:
@@ -236,7 +237,7 @@ def with_one_retry(two_nodes, attempt_run, what: str) -> subprocess.CompletedPro
         else:
             lost = proc.returncode != 0 and any(m in proc.stdout + proc.stderr for m in NODE_LOST)
             if not lost or attempt == 2:
-                return proc
+                return proc, attempt
             warnings.warn(f"{what}: a node was lost once; retrying on fresh nodes.\nstdout:\n{proc.stdout[-3000:]}\n"
                           f"stderr:\n{proc.stderr[-8000:]}\nnode logs:\n{two_nodes.logs()}", stacklevel=2)
         two_nodes.stop()
@@ -251,7 +252,7 @@ def test_federation_and_sweep_on_two_nodes(two_nodes, tmp_path, cache_dir):
     # on a 2-core CI machine under load (alone here the test passes in ~45 s). Both are reported as a warning
     # with the driver's output (its watchdog says where a hang stood) and the nodes' logs; a second failure, or
     # any wrong result, fails the test.
-    proc = with_one_retry(two_nodes, lambda attempt: drive(two_nodes, tmp_path / str(attempt), cache_dir), "multinode")
+    proc, attempt = with_one_retry(two_nodes, lambda a: drive(two_nodes, tmp_path / str(a), cache_dir), "multinode")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, (f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}\n"
                                             f"{two_nodes.logs()}")
@@ -268,5 +269,4 @@ def test_federation_and_sweep_on_two_nodes(two_nodes, tmp_path, cache_dir):
     # the sweep's trials all completed, and their client actors also used both nodes
     assert res["sweep_errors"] == 0 and [r["status"] for r in res["sweep_rows"]] == ["completed", "completed"]
     assert sorted(res["sweep_nodes"]) == sorted(res["nodes"])
-    run_dir = tmp_path / ("2" if (tmp_path / "2").exists() else "1")  # the attempt that gave `proc`
-    assert (run_dir / "sweeps" / "multinode" / "trials.csv").is_file()
+    assert (tmp_path / str(attempt) / "sweeps" / "multinode" / "trials.csv").is_file()

@@ -35,10 +35,10 @@ def test_a_concurrent_table_uses_both_nodes(two_nodes, tmp_path, cache_dir):  # 
     script.write_text(DRIVER)
     # the machine's failures (a hung driver: stop 49's CI, under load, past 420 s of a run that takes ~25 s
     # alone; a lost node) get one retry on fresh nodes, as in test_multinode.py; a second one fails the test
-    proc = with_one_retry(two_nodes, lambda attempt: subprocess.run(
-        [sys.executable, str(script), two_nodes.address, str(tmp_path / f"cmp{attempt}"), cache_dir],
+    proc, attempt = with_one_retry(two_nodes, lambda a: subprocess.run(
+        [sys.executable, str(script), two_nodes.address, str(tmp_path / f"cmp{a}"), cache_dir],
         cwd=ROOT, env=two_nodes.env, capture_output=True, text=True, timeout=300), "multinode compare")
-    out = tmp_path / ("cmp2" if (tmp_path / "cmp2").exists() else "cmp1")
+    out = tmp_path / f"cmp{attempt}"
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}\n{two_nodes.logs()}"
     nodes = re.search(r"NODES \[(.*)\]", proc.stdout).group(1).replace("'", "").split(", ")
     used = re.findall(r"done\] .* on node (\w+) ->", proc.stderr)
